@@ -1,0 +1,207 @@
+"""Nonfinite guard around fast sparse-MLA backends: detection, row-granular repair, dumps.
+
+Policy (per process): env ``GLM5_DSA_NONFINITE=fallback|raise|off`` or :func:`configure`.
+
+Detection: after each fast-backend call, one device-side finiteness reduction over the
+outputs (out/lse forward, dq/dkv backward) and a single host read of the resulting flag.
+
+Repair method (``fallback``):
+  * forward: the query rows (b, t) whose out or lse holds a nonfinite value are recomputed
+    with the reference and written back; every other row is left bit for bit.
+  * backward, dq: the query rows whose dq is nonfinite are recomputed with the reference.
+  * backward, dkv: a kv row (b, s) with a nonfinite entry is rebuilt from scratch as the sum of
+    the reference contributions of *every* query row that selected it (found from ``indices``),
+    so the repaired row is the exact reference value, not a patch on a poisoned sum.
+  Good rows of dq/dkv are untouched. If a repaired value is still nonfinite the inputs
+  themselves are bad: the guard raises ``FloatingPointError`` with the dump path.
+
+Dumps: on the first event and every ``dump_every``-th, one ``torch.save`` file in
+``GLM5_DSA_DUMP_DIR`` (default ``./glm5_dsa_dumps``) with the call's inputs, grad_out, the bad
+outputs and an environment record; replay it with ``scripts/replay_sparse_mla.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import reference
+
+POLICIES = ("fallback", "raise", "off")
+
+
+@dataclass
+class GuardStats:
+    calls_checked: int = 0
+    events: int = 0
+    rows_repaired: int = 0
+    kv_rows_repaired: int = 0
+    dumps: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Config:
+    policy: str = "fallback"
+    dump_dir: str = "glm5_dsa_dumps"
+    dump_every: int = 100
+    warned: bool = False
+
+
+_cfg = _Config(
+    policy=os.environ.get("GLM5_DSA_NONFINITE", "fallback").strip().lower() or "fallback",
+    dump_dir=os.environ.get("GLM5_DSA_DUMP_DIR", "glm5_dsa_dumps"),
+    dump_every=int(os.environ.get("GLM5_DSA_DUMP_EVERY", "100")),
+)
+if _cfg.policy not in POLICIES:
+    raise ValueError(f"GLM5_DSA_NONFINITE={_cfg.policy!r}: expected one of {POLICIES}")
+_stats = GuardStats()
+
+
+def configure(policy: str | None = None, dump_dir: str | None = None, dump_every: int | None = None) -> None:
+    """Set the process-wide guard policy (``fallback``/``raise``/``off``), dump folder and dump period."""
+    if policy is not None:
+        if policy not in POLICIES:
+            raise ValueError(f"nonfinite policy {policy!r}: expected one of {POLICIES}")
+        _cfg.policy = policy
+    if dump_dir is not None:
+        _cfg.dump_dir = str(dump_dir)
+    if dump_every is not None:
+        if dump_every < 1:
+            raise ValueError("dump_every must be >= 1")
+        _cfg.dump_every = int(dump_every)
+
+
+def policy() -> str:
+    return _cfg.policy
+
+
+def stats() -> dict:
+    """Counters for training logs: calls_checked, events, rows_repaired, kv_rows_repaired, dumps."""
+    return asdict(_stats)
+
+
+def reset_stats() -> None:
+    global _stats
+    _stats = GuardStats()
+    _cfg.warned = False
+
+
+def environment_record() -> dict:
+    rec = {"torch": torch.__version__, "cuda": torch.version.cuda, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    try:
+        import tilelang
+
+        rec["tilelang"] = tilelang.__version__
+    except Exception as exc:  # noqa: BLE001 - record why, never fail a dump
+        rec["tilelang"] = f"unavailable: {exc}"
+    if torch.cuda.is_available():
+        rec["gpu"] = torch.cuda.get_device_name()
+        rec["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    try:
+        from .tilelang_kernels import PASS_CONFIGS
+
+        rec["pass_configs"] = {str(k): v for k, v in PASS_CONFIGS.items()}
+    except Exception as exc:  # noqa: BLE001
+        rec["pass_configs"] = f"unavailable: {exc}"
+    return rec
+
+
+def _dump(kind: str, backend_name: str, inputs: dict, bad: dict) -> str | None:
+    if (_stats.events - 1) % _cfg.dump_every != 0:
+        return None
+    os.makedirs(_cfg.dump_dir, exist_ok=True)
+    path = os.path.join(_cfg.dump_dir, f"sparse_mla_{kind}_pid{os.getpid()}_event{_stats.events}.pt")
+    cpu = lambda d: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}  # noqa: E731
+    torch.save({"kind": kind, "backend": backend_name, "inputs": cpu(inputs), "bad_outputs": cpu(bad),
+                "env": environment_record()}, path)
+    _stats.dumps.append(path)
+    return path
+
+
+def _event(kind: str, backend, inputs: dict, bad: dict, n_rows: int) -> str | None:
+    _stats.events += 1
+    path = _dump(kind, backend.name, inputs, bad)
+    if _cfg.policy == "raise":
+        raise FloatingPointError(
+            f"sparse_mla {kind} ({backend.name}) produced nonfinite values in {n_rows} row(s); "
+            f"inputs dumped to {path or _stats.dumps[-1] if _stats.dumps else path}"
+        )
+    if not _cfg.warned:
+        _cfg.warned = True
+        warnings.warn(
+            f"sparse_mla {kind} ({backend.name}) produced nonfinite values in {n_rows} row(s); repaired "
+            f"row-wise with the reference (GLM5_DSA_NONFINITE=fallback). Dump: {path}. Further events are "
+            f"counted in glm5_dsa_plugin.ops.guard_stats() without warning.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return path
+
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    flag = torch.isfinite(tensors[0]).all()
+    for t in tensors[1:]:
+        flag = flag & torch.isfinite(t).all()
+    return bool(flag)
+
+
+def _bad_rows(t: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] -> bool [B, T]: rows with any nonfinite entry."""
+    return ~torch.isfinite(t).flatten(2).all(-1)
+
+
+def run_forward(backend, q, kv, indices, sm_scale, d_v):
+    out, lse = backend.forward(q, kv, indices, sm_scale, d_v)
+    if _cfg.policy == "off" or backend.name == "reference":
+        return out, lse
+    _stats.calls_checked += 1
+    if _all_finite(out, lse):
+        return out, lse
+    bad = _bad_rows(out) | _bad_rows(lse)
+    rows = bad.nonzero()
+    path = _event("forward", backend, dict(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v),
+                  dict(out=out, lse=lse), rows.shape[0])
+    out, lse = out.clone(), lse.clone()
+    for b in rows[:, 0].unique().tolist():
+        r = rows[rows[:, 0] == b, 1]
+        o_r, l_r = reference.forward(q[b : b + 1, r], kv[b : b + 1], indices[b : b + 1, r], sm_scale, d_v)
+        out[b, r], lse[b, r] = o_r[0], l_r[0]
+    if not _all_finite(out, lse):
+        raise FloatingPointError(f"sparse_mla forward is nonfinite even in the reference: inputs are bad (dump: {path})")
+    _stats.rows_repaired += rows.shape[0]
+    return out, lse
+
+
+def run_backward(backend, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
+    dq, dkv = backend.backward(q, kv, indices, out, lse, grad_out, sm_scale, d_v)
+    if _cfg.policy == "off" or backend.name == "reference":
+        return dq, dkv
+    _stats.calls_checked += 1
+    if _all_finite(dq, dkv):
+        return dq, dkv
+    bad_q = _bad_rows(dq)  # [B, T]
+    bad_kv = _bad_rows(dkv)  # [B, T_kv]
+    # query rows that selected any bad kv row (in any group) contribute to it
+    B, T_kv = bad_kv.shape
+    sel_bad = torch.zeros_like(bad_q)
+    for b in bad_kv.any(-1).nonzero().flatten().tolist():
+        idx = indices[b].long()
+        hit = bad_kv[b][idx.clamp(min=0)] & (idx >= 0)
+        sel_bad[b] = hit.flatten(1).any(-1)
+    rows = (bad_q | sel_bad).nonzero()
+    path = _event("backward", backend,
+                  dict(q=q, kv=kv, indices=indices, grad_out=grad_out, sm_scale=sm_scale, d_v=d_v),
+                  dict(dq=dq, dkv=dkv), int(bad_q.sum()) + int(bad_kv.sum()))
+    ref_dq, ref_dkv = reference.backward(q, kv, indices, grad_out, sm_scale, d_v, rows=rows)
+    dq, dkv = dq.clone(), dkv.clone()
+    dq[bad_q] = ref_dq[bad_q]
+    dkv[bad_kv] = ref_dkv[bad_kv]
+    if not _all_finite(dq, dkv):
+        raise FloatingPointError(f"sparse_mla backward is nonfinite even in the reference: inputs are bad (dump: {path})")
+    _stats.rows_repaired += int(bad_q.sum())
+    _stats.kv_rows_repaired += int(bad_kv.sum())
+    return dq, dkv

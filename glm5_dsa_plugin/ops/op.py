@@ -1,0 +1,77 @@
+"""Public sparse-MLA op: ``out, lse = sparse_mla(q, kv, indices, sm_scale, d_v=512, backend="auto")``."""
+
+from __future__ import annotations
+
+import torch
+
+from . import backends as _backends
+from . import guard as _guard
+from .contract import canonicalize, check_indices
+
+
+class _SparseMLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, indices, sm_scale, d_v, backend):
+        out, lse = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v)
+        ctx.save_for_backward(q, kv, indices, out, lse)
+        ctx.sm_scale, ctx.d_v, ctx.backend = sm_scale, d_v, backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, kv, indices, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None, None
+        dq, dkv = _guard.run_backward(
+            ctx.backend, q, kv, indices, out, lse, grad_out.contiguous(), ctx.sm_scale, ctx.d_v
+        )
+        return dq, dkv, None, None, None, None
+
+
+def sparse_mla(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    backend: str = "auto",
+    *,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse multi-head latent attention over top-k selected keys (GLM-5 / DeepSeek DSA).
+
+    Args:
+        q: ``[T, H, Dqk]`` or ``[B, T, H, Dqk]`` queries (absorbed MLA: Dqk = d_v + d_tail = 512 + 64).
+        kv: ``[T_kv, G, Dqk]`` or ``[B, T_kv, G, Dqk]`` latent keys; the first ``d_v`` channels are
+            also the values. ``H % G == 0``; head ``h`` reads group ``h // (H // G)``.
+        indices: ``[T, G, topk]`` or ``[B, T, G, topk]`` int32 rows of kv per query row; ``-1`` is
+            padding, any other value must lie in ``[0, T_kv)``. Slots are a multiset (a repeated
+            index counts once per slot). No causal rule is applied: visibility is the indices.
+        sm_scale: softmax scale, required. Absorbed MLA needs the un-absorbed qk head dim:
+            ``(qk_nope + qk_rope) ** -0.5`` (GLM-5: ``256 ** -0.5``), not ``Dqk ** -0.5``.
+        d_v: value width (leading channels of kv).
+        backend: ``"reference"``, ``"tilelang"`` or ``"auto"`` (TileLang on CUDA sm_90 when it
+            imports, else the reference with one warning).
+        validate: check every index before any kernel runs (one device reduction, one flag read).
+            Only trusted callers that already guarantee the index rule should pass False.
+
+    Returns:
+        ``out [.., T, H, d_v]`` in q's dtype, where for row t, head h:
+        ``out = sum_j softmax_j(sm_scale * q . kv[idx_j]) * kv[idx_j, :d_v]`` over valid slots;
+        ``lse [.., T, H]`` float32, natural log of the softmax denominator (incl. sm_scale),
+        non-differentiable. Rows with no valid slot: ``out == 0``, ``dq == 0``,
+        ``lse == contract.EMPTY_ROW_LSE`` (-1e30, finite).
+        Backward: dq, dkv in the input dtype, accumulated in fp32.
+
+    Raises:
+        SparseMLAInputError (a ValueError) naming the tensor, position and value of bad input.
+    """
+    q4, kv4, idx4, prob = canonicalize(q, kv, indices, sm_scale, d_v)
+    if validate:
+        check_indices(idx4, prob.seq_len_kv)
+    impl = _backends.resolve(backend, q4.device)
+    out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl)
+    if not prob.batched_input:
+        out, lse = out.squeeze(0), lse.squeeze(0)
+    return out, lse

@@ -1,0 +1,140 @@
+"""Host side of the TileLang backend: availability, head/topk padding, kernel launch.
+
+Padding done here (so the kernels never index past a buffer):
+  * heads per kv group are padded with zero query heads to 16, 32, 64 or a multiple of 64
+    (zero q gives finite scores; the padded heads' out is dropped and their dO is zero, so
+    they add exactly nothing to dkv);
+  * topk is padded with -1 slots to a multiple of ``BLOCK_TOPK``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .contract import SparseMLAInputError
+
+MIN_CAPABILITY = (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _import_status() -> tuple[bool, str]:
+    try:
+        import tilelang  # noqa: F401
+
+        from . import tilelang_kernels  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - report the reason to the user
+        return False, f"tilelang does not import: {type(exc).__name__}: {exc}"
+    return True, f"tilelang {tilelang.__version__}"
+
+
+def padded_heads_per_group(hg: int) -> int:
+    if hg <= 64:
+        p = 16
+        while p < hg:
+            p *= 2
+        return p
+    return -(-hg // 64) * 64
+
+
+def _pad_heads(x: torch.Tensor, groups: int, hg: int, hg_pad: int) -> torch.Tensor:
+    """[B, T, G*hg, D] -> [B, T, G*hg_pad, D] with zero heads appended per group."""
+    if hg == hg_pad:
+        return x.contiguous()
+    B, T, _, D = x.shape
+    return F.pad(x.view(B, T, groups, hg, D), (0, 0, 0, hg_pad - hg)).view(B, T, groups * hg_pad, D)
+
+
+def _unpad_heads(x: torch.Tensor, groups: int, hg: int, hg_pad: int) -> torch.Tensor:
+    if hg == hg_pad:
+        return x
+    B, T = x.shape[:2]
+    rest = x.shape[3:]
+    return x.view(B, T, groups, hg_pad, *rest)[:, :, :, :hg].reshape(B, T, groups * hg, *rest)
+
+
+def _pad_topk(indices: torch.Tensor, block: int) -> torch.Tensor:
+    k = indices.shape[-1]
+    if k % block == 0:
+        return indices.contiguous()
+    return F.pad(indices, (0, block - k % block), value=-1).contiguous()
+
+
+def _row_delta(out: torch.Tensor, grad_out: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """Delta [B, T, H] fp32 = sum_d out * grad_out, chunked over rows to bound temporaries."""
+    B, T, H, _ = out.shape
+    delta = torch.empty(B, T, H, dtype=torch.float32, device=out.device)
+    for t0 in range(0, T, rows_per_chunk):
+        t1 = min(T, t0 + rows_per_chunk)
+        delta[:, t0:t1] = (out[:, t0:t1].float() * grad_out[:, t0:t1].float()).sum(-1)
+    return delta
+
+
+class TileLangBackend:
+    """Fixed TileLang kernels; bf16, CUDA sm_90."""
+
+    name = "tilelang"
+
+    def __init__(self, safe: bool = True):
+        self.safe = safe
+
+    def available(self) -> tuple[bool, str]:
+        ok, reason = _import_status()
+        if not ok:
+            return False, reason
+        if not torch.cuda.is_available():
+            return False, "no CUDA device"
+        cap = torch.cuda.get_device_capability()
+        if cap < MIN_CAPABILITY:
+            return False, f"GPU compute capability {cap} < sm_90 (kernels use Hopper wgmma)"
+        return True, f"{reason} on {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]})"
+
+    def _check(self, q, kv, d_v):
+        from .tilelang_kernels import check_split
+
+        if q.dtype != torch.bfloat16:
+            raise SparseMLAInputError(f"sparse_mla backend 'tilelang' needs bf16 q/kv, got {q.dtype}")
+        if not q.is_cuda:
+            raise SparseMLAInputError(f"sparse_mla backend 'tilelang' needs CUDA tensors, got {q.device}")
+        check_split(d_v, q.shape[-1] - d_v)
+
+    def _geometry(self, q, kv):
+        H, G = q.shape[2], kv.shape[2]
+        hg = H // G
+        return G, hg, padded_heads_per_group(hg)
+
+    def forward(self, q, kv, indices, sm_scale, d_v):
+        from .tilelang_kernels import BLOCK_TOPK, sparse_mla_fwd_kernel
+
+        self._check(q, kv, d_v)
+        G, hg, hg_pad = self._geometry(q, kv)
+        qp = _pad_heads(q, G, hg, hg_pad)
+        idx = _pad_topk(indices, BLOCK_TOPK)
+        B, T, Hp, Dqk = qp.shape
+        kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
+        out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
+        if T > 0:
+            kernel(qp, kv.contiguous(), idx, out, lse)
+        return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad)
+
+    def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
+        from .tilelang_kernels import BLOCK_TOPK, sparse_mla_bwd_kernel
+
+        self._check(q, kv, d_v)
+        G, hg, hg_pad = self._geometry(q, kv)
+        delta = _row_delta(out, grad_out)
+        qp = _pad_heads(q, G, hg, hg_pad)
+        dop = _pad_heads(grad_out, G, hg, hg_pad)
+        lsep = _pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
+        deltap = _pad_heads(delta.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
+        idx = _pad_topk(indices, BLOCK_TOPK)
+        B, T, Hp, Dqk = qp.shape
+        kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
+        dq = torch.empty_like(qp)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        if T > 0:
+            kernel(qp, kv.contiguous(), dop, idx, lsep, deltap, dq, dkv)
+        return _unpad_heads(dq, G, hg, hg_pad), dkv.to(kv.dtype)

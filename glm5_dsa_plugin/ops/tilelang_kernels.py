@@ -1,0 +1,269 @@
+"""TileLang 0.1.15 sparse-MLA forward/backward kernels (Hopper, bf16), parametrised by shape.
+
+Fixes over the vendored copies (each applies when ``safe=True``, the only mode the backend uses;
+``safe=False`` exists so the benchmark can measure what the fixes cost):
+  * padding slots: the gather address is clamped into [0, T_kv) and the loaded row is
+    zero-filled; its score is -inf; its dKV atomic adds exact zeros to a valid row;
+  * rows with no valid slot: out = 0, lse = EMPTY_ROW_LSE (finite), hence P = 0 and dq = 0;
+  * no reliance on TileLang's safe-memory legalisation (it is disabled below, on purpose):
+    every global access is in bounds by construction (one query row per block, heads padded
+    by the host wrapper, topk padded to a multiple of the block);
+  * the aggressive shared-memory merge is explicitly off: in 0.1.9-0.1.10 it aliased the dKV
+    staging buffer with the live Q tile and produced NaN dq/dkv from finite inputs.
+
+Conventions: the kernels read/write natural-log lse [B, T, H] fp32 and use log2 internally.
+Head layout: ``heads = G * Hg`` where ``Hg`` (heads per kv group) is 16, 32, 64 or a multiple of 64.
+"""
+
+
+import functools
+
+import tilelang
+from tilelang import language as T
+
+from .contract import EMPTY_ROW_LSE, LN2, LOG2E
+
+_K = tilelang.PassConfigKey
+PASS_CONFIGS = {
+    _K.TL_DISABLE_TMA_LOWER: True,  # gathers are per-row; TMA tiles do not apply
+    _K.TL_DISABLE_WARP_SPECIALIZED: True,
+    _K.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE: False,  # the 0.1.9/0.1.10 dq/dkv NaN miscompile
+    _K.TL_DISABLE_SAFE_MEMORY_ACCESS: True,  # in-bounds by construction; never lean on the compiler
+}
+
+BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
+SUPPORTED_SPLITS = {(512, 64), (256, 64), (128, 64)}  # (d_v, d_tail)
+_MASK_INIT = -(2**30)  # running-max init: finite, so -inf - m never makes NaN
+
+
+def check_split(d_v: int, d_tail: int) -> None:
+    if (d_v, d_tail) not in SUPPORTED_SPLITS:
+        raise ValueError(
+            f"TileLang sparse-MLA supports (d_v, d_tail) in {sorted(SUPPORTED_SPLITS)}, got ({d_v}, {d_tail}); "
+            f"use backend='reference' for other splits"
+        )
+
+
+def head_block(heads_per_group: int) -> int:
+    return min(64, heads_per_group)
+
+
+@functools.lru_cache(maxsize=None)
+def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_i=BLOCK_TOPK,
+                          num_stages=2, threads=256, target="cuda"):
+    """Q [B,T,H,Dqk] bf16, KV [B,T_kv,G,Dqk] bf16, Indices [B,T,G,topk] i32 -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32."""
+    assert topk % block_i == 0 and heads % kv_group == 0
+    hg = heads // kv_group
+    h_blk = head_block(hg)
+    assert hg % h_blk == 0 and h_blk >= 16
+    rep = hg // h_blk
+    D, DT, BI, NI = d_v, d_tail, block_i, topk // block_i
+    scale2 = float(sm_scale) * LOG2E
+    dtype, acc = T.bfloat16, T.float32
+    B, S, SKV = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("seq_len_kv")
+
+    @T.prim_func
+    def fwd(
+        Q: T.Tensor([B, S, heads, D + DT], dtype),
+        KV: T.Tensor([B, SKV, kv_group, D + DT], dtype),
+        Indices: T.Tensor([B, S, kv_group, topk], T.int32),
+        Out: T.Tensor([B, S, heads, D], dtype),
+        Lse: T.Tensor([B, S, heads], acc),
+    ):
+        with T.Kernel(S * rep, B, kv_group, threads=threads) as (bx, b, g):
+            q_s = T.alloc_shared([h_blk, D], dtype)
+            qt_s = T.alloc_shared([h_blk, DT], dtype)
+            kv_s = T.alloc_shared([BI, D], dtype)
+            kt_s = T.alloc_shared([BI, DT], dtype)
+            p_s = T.alloc_shared([h_blk, BI], dtype)
+            valid = T.alloc_fragment([BI], "bool")
+            acc_o = T.alloc_fragment([h_blk, D], acc)
+            acc_s = T.alloc_fragment([h_blk, BI], acc)
+            row_sum = T.alloc_fragment([h_blk], acc)
+            blk_sum = T.alloc_fragment([h_blk], acc)
+            alpha = T.alloc_fragment([h_blk], acc)
+            m = T.alloc_fragment([h_blk], acc)
+            m_prev = T.alloc_fragment([h_blk], acc)
+
+            T.fill(acc_o, 0)
+            T.fill(row_sum, 0)
+            T.fill(m, _MASK_INIT)
+            s = bx // rep
+            h0 = g * hg + (bx % rep) * h_blk
+            T.copy(Q[b, s, h0 : h0 + h_blk, :D], q_s)
+            T.copy(Q[b, s, h0 : h0 + h_blk, D:], qt_s)
+
+            for i in T.Pipelined(NI, num_stages=num_stages):
+                if safe:
+                    for j in T.Parallel(BI):
+                        valid[j] = (Indices[b, s, g, i * BI + j] >= 0) & (Indices[b, s, g, i * BI + j] < SKV)
+                    for j, d in T.Parallel(BI, D):
+                        idx = T.min(T.max(Indices[b, s, g, i * BI + j], 0), SKV - 1)
+                        kv_s[j, d] = T.if_then_else(Indices[b, s, g, i * BI + j] >= 0, KV[b, idx, g, d], T.cast(0, dtype))
+                    for j, d in T.Parallel(BI, DT):
+                        idx = T.min(T.max(Indices[b, s, g, i * BI + j], 0), SKV - 1)
+                        kt_s[j, d] = T.if_then_else(Indices[b, s, g, i * BI + j] >= 0, KV[b, idx, g, D + d], T.cast(0, dtype))
+                else:
+                    for j in T.Parallel(BI):
+                        valid[j] = Indices[b, s, g, i * BI + j] >= 0
+                    for j, d in T.Parallel(BI, D):
+                        kv_s[j, d] = KV[b, Indices[b, s, g, i * BI + j], g, d]
+                    for j, d in T.Parallel(BI, DT):
+                        kt_s[j, d] = KV[b, Indices[b, s, g, i * BI + j], g, D + d]
+
+                for h, j in T.Parallel(h_blk, BI):
+                    acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
+                T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(m, m_prev)
+                T.reduce_max(acc_s, m, dim=1, clear=False)
+                for h in T.Parallel(h_blk):
+                    m[h] = T.max(m[h], m_prev[h])
+                    alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
+                for h, j in T.Parallel(h_blk, BI):
+                    acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
+                T.reduce_sum(acc_s, blk_sum, dim=1)
+                for h in T.Parallel(h_blk):
+                    row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
+                for h, d in T.Parallel(h_blk, D):
+                    acc_o[h, d] = acc_o[h, d] * alpha[h]
+                T.copy(acc_s, p_s)
+                T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+            if safe:
+                # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE
+                for h, d in T.Parallel(h_blk, D):
+                    acc_o[h, d] = T.if_then_else(row_sum[h] > 0, acc_o[h, d] / row_sum[h], 0)
+                for h in T.Parallel(h_blk):
+                    row_sum[h] = T.if_then_else(
+                        row_sum[h] > 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2, EMPTY_ROW_LSE
+                    )
+            else:
+                for h, d in T.Parallel(h_blk, D):
+                    acc_o[h, d] = acc_o[h, d] / row_sum[h]
+                for h in T.Parallel(h_blk):
+                    row_sum[h] = (T.log2(row_sum[h]) + m[h] * scale2) * LN2
+            T.copy(acc_o, Out[b, s, h0 : h0 + h_blk, :])
+            T.copy(row_sum, Lse[b, s, h0 : h0 + h_blk])
+
+    return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
+
+
+@functools.lru_cache(maxsize=None)
+def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_s=32, threads=256,
+                          target="cuda"):
+    """Q, KV, dO [B,T,H,d_v] bf16, Indices, Lse [B,T,H] f32 (natural), Delta [B,T,H] f32 = rowsum(O*dO)
+    -> dQ [B,T,H,Dqk] bf16 (written), dKV [B,T_kv,G,Dqk] f32 (accumulated atomically; caller zeroes)."""
+    assert topk % block_s == 0 and heads % kv_group == 0
+    hg = heads // kv_group
+    h_blk = head_block(hg)
+    nh = hg // h_blk
+    D, DT, BS, NS = d_v, d_tail, block_s, topk // block_s
+    split = 2
+    scale, scale2 = float(sm_scale), float(sm_scale) * LOG2E
+    dtype, acc = T.bfloat16, T.float32
+    B, S, SKV = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("seq_len_kv")
+
+    @T.prim_func
+    def bwd(
+        Q: T.Tensor([B, S, heads, D + DT], dtype),
+        KV: T.Tensor([B, SKV, kv_group, D + DT], dtype),
+        dO: T.Tensor([B, S, heads, D], dtype),
+        Indices: T.Tensor([B, S, kv_group, topk], T.int32),
+        Lse: T.Tensor([B, S, heads], acc),
+        Delta: T.Tensor([B, S, heads], acc),
+        dQ: T.Tensor([B, S, heads, D + DT], dtype),
+        dKV: T.Tensor([B, SKV, kv_group, D + DT], acc),
+    ):
+        with T.Kernel(S, B, kv_group * nh, threads=threads) as (s, b, bz):
+            g = bz // nh
+            h0 = g * hg + (bz % nh) * h_blk
+            q_s = T.alloc_shared([h_blk, D], dtype)
+            qt_s = T.alloc_shared([h_blk, DT], dtype)
+            do_s = T.alloc_shared([h_blk, D], dtype)
+            kv_s = T.alloc_shared([BS, D], dtype)
+            kt_s = T.alloc_shared([BS, DT], dtype)
+            p_s = T.alloc_shared([h_blk, BS], dtype)
+            dp_s = T.alloc_shared([h_blk, BS], dtype)
+            valid = T.alloc_fragment([BS], "bool")
+            acc_p = T.alloc_fragment([h_blk, BS], acc)
+            acc_dp = T.alloc_fragment([h_blk, BS], acc)
+            acc_dq = T.alloc_fragment([h_blk, D], acc)
+            acc_dqt = T.alloc_fragment([h_blk, DT], acc)
+            acc_dkv = T.alloc_fragment([BS, D], acc)
+            acc_dkvt = T.alloc_fragment([BS, DT], acc)
+            dkv_s = T.alloc_shared([BS // split, D], acc)
+            dkvt_s = T.alloc_shared([BS // split, DT], acc)
+
+            T.copy(Q[b, s, h0 : h0 + h_blk, :D], q_s)
+            T.copy(Q[b, s, h0 : h0 + h_blk, D:], qt_s)
+            T.copy(dO[b, s, h0 : h0 + h_blk, :], do_s)
+            T.clear(acc_dq)
+            T.clear(acc_dqt)
+
+            for i in T.Pipelined(NS, num_stages=0):
+                if safe:
+                    for j in T.Parallel(BS):
+                        valid[j] = (Indices[b, s, g, i * BS + j] >= 0) & (Indices[b, s, g, i * BS + j] < SKV)
+                    for j, d in T.Parallel(BS, D):
+                        idx = T.min(T.max(Indices[b, s, g, i * BS + j], 0), SKV - 1)
+                        kv_s[j, d] = T.if_then_else(Indices[b, s, g, i * BS + j] >= 0, KV[b, idx, g, d], T.cast(0, dtype))
+                else:
+                    for j in T.Parallel(BS):
+                        valid[j] = Indices[b, s, g, i * BS + j] >= 0
+                    for j, d in T.Parallel(BS, D):
+                        kv_s[j, d] = KV[b, Indices[b, s, g, i * BS + j], g, d]
+                for h, j in T.Parallel(h_blk, BS):
+                    acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
+                T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                if safe:
+                    for j, d in T.Parallel(BS, DT):
+                        idx = T.min(T.max(Indices[b, s, g, i * BS + j], 0), SKV - 1)
+                        kt_s[j, d] = T.if_then_else(Indices[b, s, g, i * BS + j] >= 0, KV[b, idx, g, D + d], T.cast(0, dtype))
+                else:
+                    for j, d in T.Parallel(BS, DT):
+                        kt_s[j, d] = KV[b, Indices[b, s, g, i * BS + j], g, D + d]
+                T.gemm(qt_s, kt_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+
+                for h, j in T.Parallel(h_blk, BS):
+                    acc_p[h, j] = T.exp2(acc_p[h, j] * scale2 - Lse[b, s, h0 + h] * LOG2E)
+                T.copy(acc_p, p_s)
+                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                for h, j in T.Parallel(h_blk, BS):
+                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b, s, h0 + h]) * scale
+                T.copy(acc_dp, dp_s)
+                T.gemm(dp_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(dp_s, kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(dp_s, q_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(dp_s, qt_s, acc_dkvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+
+                for part in range(split):
+                    for j, d in T.Parallel(BS, D):
+                        if j < BS // split:
+                            dkv_s[j, d] = acc_dkv[j + part * (BS // split), d]
+                    for j, d in T.Parallel(BS, DT):
+                        if j < BS // split:
+                            dkvt_s[j, d] = acc_dkvt[j + part * (BS // split), d]
+                    # padding slots carry exact-zero rows (P = dP = 0); their clamped address is valid
+                    for j, d in T.Parallel(BS // split, D // 4):
+                        if safe:
+                            T.atomic_addx4(
+                                dKV[b, T.min(T.max(Indices[b, s, g, i * BS + j + part * (BS // split)], 0), SKV - 1), g, d * 4],
+                                dkv_s[j, d * 4],
+                            )
+                        else:
+                            T.atomic_addx4(dKV[b, Indices[b, s, g, i * BS + j + part * (BS // split)], g, d * 4], dkv_s[j, d * 4])
+                    for j, d in T.Parallel(BS // split, DT // 4):
+                        if safe:
+                            T.atomic_addx4(
+                                dKV[b, T.min(T.max(Indices[b, s, g, i * BS + j + part * (BS // split)], 0), SKV - 1), g, D + d * 4],
+                                dkvt_s[j, d * 4],
+                            )
+                        else:
+                            T.atomic_addx4(dKV[b, Indices[b, s, g, i * BS + j + part * (BS // split)], g, D + d * 4], dkvt_s[j, d * 4])
+
+            T.copy(acc_dq, dQ[b, s, h0 : h0 + h_blk, :D])
+            T.copy(acc_dqt, dQ[b, s, h0 : h0 + h_blk, D:])
+
+    return tilelang.compile(bwd, pass_configs=PASS_CONFIGS, target=target)

@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""Check and time sparse MLA on one GPU: ours vs megatron-core 0.19.2's vendored SparseMLA vs the reference.
+
+Workloads (bf16, Dqk=576, d_v=512, G=1, topk=2048):
+  W1: T=4096, T_kv=8192, all slots valid.
+  W2: T=T_kv=4096, row t = random permutation of min(t+1, 2048) keys in [0, t] then -1; rows 0, 7, 2000 empty.
+Writes ``$OUT/bench_sparse_mla.json`` (rows: workload, H, impl, fwd_ms, fwd_bwd_ms, fwd_tflops,
+bwd_tflops, peak_gib, rel errors) and a PNG chart when matplotlib is present; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from glm5_dsa_plugin.ops import configure, sparse_mla  # noqa: E402
+from glm5_dsa_plugin.ops import reference as ref  # noqa: E402
+from glm5_dsa_plugin.ops.contract import check_indices, flops  # noqa: E402
+
+SCALE = 256**-0.5
+D_V = 512
+
+
+def w1_indices(T, T_kv, topk, gen):
+    return torch.rand(T, T_kv, generator=gen, device="cuda").topk(topk, dim=-1).indices.to(torch.int32)[:, None, :]
+
+
+def w2_indices(T, topk, gen):
+    r = torch.rand(T, T, generator=gen, device="cuda")
+    causal = torch.arange(T, device="cuda")[None, :] <= torch.arange(T, device="cuda")[:, None]
+    vals, idx = r.masked_fill(~causal, -1.0).topk(topk, dim=-1)
+    idx = idx.masked_fill(vals < 0, -1).to(torch.int32)
+    idx[[0, 7, 2000]] = -1
+    return idx[:, None, :].contiguous()
+
+
+def bench(fn, warmup=25, rep=100):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def make_impls(has_mcore):
+    impls = {
+        "ours": lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang"),
+        "ours_novalidate": lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang", validate=False),
+    }
+    if has_mcore:
+        from megatron.core.transformer.experimental_attention_variant.ops.sparse_mla import SparseMLA
+
+        impls["mcore"] = lambda q, kv, i: SparseMLA.apply(q, kv, i, SCALE)
+    impls["reference"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="reference")
+    return impls
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="64,16,8")
+    ap.add_argument("--workloads", default="W1,W2")
+    ap.add_argument("--reference", default="W1:64,W2:8", help="workload:H pairs where the slow reference is timed")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    try:
+        import megatron.core.transformer.experimental_attention_variant.ops.sparse_mla as m  # noqa: F401
+
+        has_mcore = m.SparseMLA is not None
+    except Exception as exc:  # noqa: BLE001
+        print("megatron-core SparseMLA unavailable:", exc)
+        has_mcore = False
+    impls = make_impls(has_mcore)
+    ref_pairs = {tuple(p.split(":")) for p in args.reference.split(",") if p}
+    rows, extra = [], {}
+    for wl in args.workloads.split(","):
+        T, T_kv = (4096, 8192) if wl == "W1" else (4096, 4096)
+        idx = w1_indices(T, T_kv, 2048, gen) if wl == "W1" else w2_indices(T, 2048, gen)
+        n_valid = int((idx >= 0).sum())
+        extra[f"{wl}_validate_ms"] = bench(lambda: check_indices(idx[None], T_kv))
+        for H in [int(h) for h in args.heads.split(",")]:
+            q = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+            kv = torch.randn(T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+            grad = torch.randn(T, H, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
+            f_fwd, f_bwd = flops(n_valid, H, 576, D_V)
+            base = None
+            for name, fn in impls.items():
+                if name == "reference" and (wl, str(H)) not in ref_pairs:
+                    continue
+                qq, kk = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+
+                def fwd():
+                    with torch.no_grad():
+                        return fn(qq, kk, idx)
+
+                def fwd_bwd():
+                    qq.grad = kk.grad = None
+                    out, _ = fn(qq, kk, idx)
+                    out.backward(grad)
+
+                try:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    fwd_bwd()
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated() / 2**30
+                    o, _ = fwd()
+                    res = (o.float(), qq.grad.float(), kk.grad.float())
+                    fast = name == "reference"
+                    t_f = bench(fwd, *((1, 3) if fast else (25, 100)))
+                    t_fb = bench(fwd_bwd, *((1, 3) if fast else (25, 100)))
+                except Exception as exc:  # noqa: BLE001 - a failing peer is a result, not a crash
+                    print(f"{wl} H{H} {name}: FAILED {type(exc).__name__}: {exc}")
+                    rows.append(dict(workload=wl, H=H, impl=name, error=f"{type(exc).__name__}: {exc}"))
+                    continue
+                t_b = t_fb - t_f
+                row = dict(workload=wl, H=H, impl=name, fwd_ms=t_f, fwd_bwd_ms=t_fb,
+                           fwd_tflops=f_fwd / t_f / 1e9, bwd_tflops=f_bwd / t_b / 1e9 if t_b > 0 else None,
+                           peak_gib=peak, n_valid=n_valid,
+                           finite=all(bool(torch.isfinite(x).all()) for x in res))
+                if name == "ours":
+                    base = res
+                elif base is not None:
+                    row["rel_vs_ours"] = [rel(a, b) for a, b in zip(res, base)]
+                rows.append(row)
+                del qq, kk, res
+            # exact check of ours against the fp32 reference, chunked (fresh inputs per H)
+            if base is not None:
+                r_out, _ = ref.forward(q[None], kv[None], idx[None], SCALE, D_V)
+                r_dq, r_dkv = ref.backward(q[None], kv[None], idx[None], grad[None], SCALE, D_V)
+                errs = [rel(base[0], r_out[0]), rel(base[1], r_dq[0]), rel(base[2], r_dkv[0])]
+                for r in rows:
+                    if r["workload"] == wl and r["H"] == H and r["impl"] == "ours":
+                        r["rel_l2_vs_reference"] = errs
+        # what the fixes cost: same kernels, fixes compiled out (fully valid W1 only)
+        if wl == "W1":
+            from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+            for safe in (True, False):
+                be = TileLangBackend(safe=safe)
+                H = 64
+                q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+                kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+                g = torch.randn(1, T, H, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
+                o, l = be.forward(q, kv, idx[None], SCALE, D_V)
+                extra[f"W1_H64_kernel_fwd_ms_safe={safe}"] = bench(lambda: be.forward(q, kv, idx[None], SCALE, D_V))
+                extra[f"W1_H64_kernel_bwd_ms_safe={safe}"] = bench(
+                    lambda: be.backward(q, kv, idx[None], o, l, g, SCALE, D_V))
+    # guard overhead at W2 H64
+    idx = w2_indices(4096, 2048, gen)
+    q = torch.randn(4096, 64, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(4096, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(4096, 64, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
+    for pol in ("off", "fallback"):
+        configure(policy=pol)
+
+        def step():
+            q.grad = kv.grad = None
+            sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang")[0].backward(grad)
+
+        extra[f"W2_H64_fwd_bwd_ms_guard={pol}"] = bench(step)
+    configure(policy="fallback")
+
+    import importlib.metadata as md
+
+    def ver(p):
+        try:
+            return md.version(p)
+        except Exception:  # noqa: BLE001
+            return None
+
+    result = dict(
+        gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+        versions=dict(torch=torch.__version__, cuda=torch.version.cuda, tilelang=ver("tilelang"),
+                      megatron_core=ver("megatron-core"), triton=ver("triton")),
+        rows=rows, extra=extra,
+    )
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_sparse_mla.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ok = [r for r in rows if "fwd_bwd_ms" in r and r["impl"] in ("ours", "mcore")]
+        labels = [f"{r['workload']} H{r['H']} {r['impl']}" for r in ok]
+        plt.figure(figsize=(10, 4))
+        plt.barh(labels, [r["fwd_bwd_ms"] for r in ok])
+        plt.xlabel("fwd+bwd ms (lower is better)")
+        plt.tight_layout()
+        plt.savefig(os.path.join(args.out, "bench_sparse_mla.png"))
+    except Exception as exc:  # noqa: BLE001
+        print("no chart:", exc)
+
+    print(f"\n{result['gpu']}  {result['versions']}")
+    for k, v in extra.items():
+        print(f"  {k}: {v:.3f} ms")
+    print(f"{'wl':3} {'H':>3} {'impl':16} {'fwd ms':>8} {'f+b ms':>8} {'fwdTF':>6} {'bwdTF':>6} {'GiB':>5}  rel(out,dq,dkv)")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['workload']:3} {r['H']:>3} {r['impl']:16} ERROR {r['error'][:60]}")
+            continue
+        errs = r.get("rel_l2_vs_reference") or r.get("rel_vs_ours") or []
+        print(f"{r['workload']:3} {r['H']:>3} {r['impl']:16} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} "
+              f"{r['fwd_tflops']:6.0f} {(r['bwd_tflops'] or 0):6.0f} {r['peak_gib']:5.1f}  "
+              + " ".join(f"{e:.1e}" for e in errs) + ("" if r["finite"] else "  NONFINITE"))
+
+
+if __name__ == "__main__":
+    main()

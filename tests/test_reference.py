@@ -1,0 +1,208 @@
+"""The reference and the public op against an independent dense fp64 formula (CPU)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from glm5_dsa_plugin.ops import EMPTY_ROW_LSE, SparseMLAInputError, sparse_mla
+from glm5_dsa_plugin.ops import reference as ref
+from sparse_mla_cases import dense_sparse_mla, make_indices
+
+
+@st.composite
+def problems(draw):
+    B = draw(st.integers(1, 2))
+    T = draw(st.integers(1, 6))
+    T_kv = draw(st.integers(1, 9))
+    G = draw(st.sampled_from([1, 2]))
+    H = G * draw(st.sampled_from([1, 2, 3]))
+    topk = draw(st.integers(1, 7))
+    d_v = draw(st.sampled_from([4, 8]))
+    d_tail = draw(st.sampled_from([0, 2, 4]))
+    pad_frac = draw(st.sampled_from([0.0, 0.3, 0.8, 1.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    empty = draw(st.lists(st.integers(0, T - 1), max_size=2))
+    return B, T, T_kv, G, H, topk, d_v, d_tail, pad_frac, seed, empty
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_reference_matches_dense_fp64(p):
+    B, T, T_kv, G, H, topk, d_v, d_tail, pad_frac, seed, empty = p
+    gen = torch.Generator().manual_seed(seed)
+    D = d_v + d_tail
+    q = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(B, T_kv, G, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    idx = make_indices(B, T, G, topk, T_kv, gen, pad_frac=pad_frac, empty_rows=empty)
+    scale = 0.3
+    out, lse = sparse_mla(q, kv, idx, scale, d_v=d_v, backend="reference")
+    d_out, d_lse = dense_sparse_mla(q, kv, idx, scale, d_v)
+    torch.testing.assert_close(out, d_out, rtol=1e-10, atol=1e-10)
+    empty_mask = (idx < 0).all(-1)  # [B, T, G]
+    empty_heads = empty_mask.repeat_interleave(H // G, dim=-1)
+    assert torch.all(out[empty_heads] == 0)
+    assert torch.all(lse[empty_heads] == EMPTY_ROW_LSE)
+    torch.testing.assert_close(lse[~empty_heads], d_lse[~empty_heads].float(), rtol=1e-6, atol=1e-6)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    dq, dkv = torch.autograd.grad(out, (q, kv), g)
+    rq, rkv = torch.autograd.grad(d_out, (q, kv), g)
+    torch.testing.assert_close(dq, rq, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(dkv, rkv, rtol=1e-9, atol=1e-10)
+    assert torch.all(dq[empty_heads] == 0)
+
+
+def test_gradcheck_fp64_packed():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 4, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(5, 2, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor(
+        [[[0, 4, -1], [1, 1, 2]], [[-1, -1, -1], [3, -1, 0]], [[2, 2, 2], [4, 0, 1]], [[1, -1, 3], [-1, -1, -1]]],
+        dtype=torch.int32,
+    )
+    fn = lambda a, b: sparse_mla(a, b, idx, 0.7, d_v=4, backend="reference")[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, kv), eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradgradcheck is not None
+
+
+def test_bf16_accumulates_in_fp32():
+    gen = torch.Generator().manual_seed(1)
+    B, T, T_kv, G, H, K, dv, dt = 1, 8, 64, 1, 4, 48, 32, 8
+    q = torch.randn(B, T, H, dv + dt, generator=gen)
+    kv = torch.randn(B, T_kv, G, dv + dt, generator=gen)
+    idx = make_indices(B, T, G, K, T_kv, gen)
+    out16, _ = sparse_mla(q.bfloat16(), kv.bfloat16(), idx, 0.2, d_v=dv, backend="reference")
+    out64, _ = dense_sparse_mla(q.bfloat16().double(), kv.bfloat16().double(), idx, 0.2, dv)
+    assert out16.dtype == torch.bfloat16
+    err = (out16.double() - out64).norm() / out64.norm()
+    assert err < 4e-3
+
+
+def test_chunking_does_not_change_results(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 9, 4, 12, generator=gen, dtype=torch.float64)
+    kv = torch.randn(2, 7, 2, 12, generator=gen, dtype=torch.float64)
+    idx = make_indices(2, 9, 2, 5, 7, gen, empty_rows=[3])
+    g = torch.randn(2, 9, 4, 8, generator=gen, dtype=torch.float64)
+    o1, l1 = ref.forward(q, kv, idx, 0.5, 8)
+    dq1, dkv1 = ref.backward(q, kv, idx, g, 0.5, 8)
+    monkeypatch.setattr(ref, "_CHUNK_BUDGET", 1)  # one row per chunk
+    o2, l2 = ref.forward(q, kv, idx, 0.5, 8)
+    dq2, dkv2 = ref.backward(q, kv, idx, g, 0.5, 8)
+    torch.testing.assert_close(o1, o2, rtol=0, atol=1e-14)
+    torch.testing.assert_close(l1, l2, rtol=0, atol=0)
+    torch.testing.assert_close(dq1, dq2, rtol=0, atol=1e-14)
+    torch.testing.assert_close(dkv1, dkv2, rtol=0, atol=1e-13)
+
+
+def test_row_subset_backward_equals_full_on_those_rows():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 10, 2, 12, generator=gen, dtype=torch.float64)
+    kv = torch.randn(1, 6, 1, 12, generator=gen, dtype=torch.float64)
+    idx = make_indices(1, 10, 1, 4, 6, gen)
+    g = torch.randn(1, 10, 2, 8, generator=gen, dtype=torch.float64)
+    rows = torch.tensor([[0, 2], [0, 7]])
+    dq_s, _ = ref.backward(q, kv, idx, g, 0.5, 8, rows=rows)
+    dq, _ = ref.backward(q, kv, idx, g, 0.5, 8)
+    torch.testing.assert_close(dq_s[0, [2, 7]], dq[0, [2, 7]])
+    assert torch.all(dq_s[0, [0, 1, 3, 4, 5, 6, 8, 9]] == 0)
+
+
+def test_padding_slot_never_reads_its_clamped_row():
+    # kv row 0 is NaN; only padding slots would clamp onto it: results must be finite and exact
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 2, 10, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(5, 1, 10, generator=gen, dtype=torch.float64)
+    kv[0] = float("nan")
+    kv.requires_grad_(True)
+    idx = torch.tensor([[[1, -1, 2]], [[-1, -1, -1]], [[4, 3, -1]]], dtype=torch.int32)
+    out, lse = sparse_mla(q, kv, idx, 0.5, d_v=8, backend="reference")
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    dq, dkv = torch.autograd.grad(out.sum(), (q, kv))
+    assert torch.isfinite(dq).all() and torch.all(dkv[0] == 0) and torch.isfinite(dkv[1:]).all()
+
+
+# ---------------------------------------------------------------- bad input
+def _ok(T=4, T_kv=6, H=4, G=2, K=3, D=12, dtype=torch.float32):
+    q = torch.randn(T, H, D, dtype=dtype)
+    kv = torch.randn(T_kv, G, D, dtype=dtype)
+    idx = torch.zeros(T, G, K, dtype=torch.int32)
+    return q, kv, idx
+
+
+@pytest.mark.parametrize("bad_value,pos,needle", [(6, (2, 1, 0), "index 6 >= capacity T_kv=6"), (-2, (3, 0, 2), "index -2 < -1")])
+def test_index_out_of_range_names_position_and_value(bad_value, pos, needle):
+    q, kv, idx = _ok()
+    idx[pos] = bad_value
+    with pytest.raises(SparseMLAInputError) as e:
+        sparse_mla(q, kv, idx, 0.5, d_v=8, backend="reference")
+    msg = str(e.value)
+    assert needle in msg and f"row={pos[0]}, group={pos[1]}, slot={pos[2]}" in msg and "batch=0" in msg
+
+
+def test_capacity_4096_message():
+    q, kv, idx = _ok(T_kv=4096)
+    idx[1, 0, 1] = 4096
+    with pytest.raises(ValueError, match="index 4096 >= capacity T_kv=4096"):
+        sparse_mla(q, kv, idx, 0.5, d_v=8)
+
+
+def test_validate_false_skips_the_check_but_stays_in_bounds():
+    q, kv, idx = _ok()
+    idx[0, 0, 0] = 100  # trusted caller lied: no crash, just no guarantee
+    q2, kv2, idx2 = q.unsqueeze(0), kv.unsqueeze(0), idx.unsqueeze(0)
+    with pytest.raises(IndexError):
+        ref.forward(q2, kv2, idx2, 0.5, 8)  # the reference gathers by PyTorch indexing, which checks
+
+
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (lambda q, kv, i: (q[0], kv, i), "q must be"),
+        (lambda q, kv, i: (q, kv.unsqueeze(0), i), "kv must have 3 dims"),
+        (lambda q, kv, i: (q, kv, i.long()), "indices must be int32"),
+        (lambda q, kv, i: (q, kv.double(), i), "kv dtype"),
+        (lambda q, kv, i: (q.int(), kv.int(), i), "q dtype"),
+        (lambda q, kv, i: (q, kv[:, :, :10], i), "kv last dim 10 != q last dim 12"),
+        (lambda q, kv, i: (q, kv, i[:3]), "indices has 3 rows, q has 4"),
+        (lambda q, kv, i: (q[:, :3], kv, i), "must be a multiple of kv groups"),
+        (lambda q, kv, i: (q, kv, i[:, :1]), "indices has 1 kv groups"),
+    ],
+)
+def test_shape_and_dtype_errors(mutate, needle):
+    q, kv, idx = mutate(*_ok())
+    with pytest.raises(SparseMLAInputError, match=needle):
+        sparse_mla(q, kv, idx, 0.5, d_v=8, backend="reference")
+
+
+def test_sm_scale_is_required_and_checked():
+    q, kv, idx = _ok()
+    with pytest.raises(TypeError):
+        sparse_mla(q, kv, idx)  # noqa: no default on purpose
+    with pytest.raises(SparseMLAInputError, match="sm_scale is required"):
+        sparse_mla(q, kv, idx, None, d_v=8)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(SparseMLAInputError, match="sm_scale must be finite"):
+            sparse_mla(q, kv, idx, bad, d_v=8)
+
+
+@pytest.mark.parametrize("d_v", [0, 13])
+def test_d_v_range(d_v):
+    q, kv, idx = _ok()
+    with pytest.raises(SparseMLAInputError, match="d_v="):
+        sparse_mla(q, kv, idx, 0.5, d_v=d_v)
+
+
+def test_lse_is_fp32_natural_log_and_not_differentiable():
+    q, kv, idx = _ok(dtype=torch.float64)
+    q.requires_grad_(True)
+    idx[:, :, 1] = 3
+    out, lse = sparse_mla(q, kv, idx, 0.5, d_v=8, backend="reference")
+    assert lse.dtype == torch.float32 and not lse.requires_grad
+    s = torch.einsum("thd,tgkd->thgk", q.detach(), kv[idx.long().clamp(min=0), torch.arange(2)[None, :, None]])
+    # head h reads group h // 2; all slots valid here
+    g_of_h = torch.arange(4) // 2
+    s = s[:, torch.arange(4), g_of_h] * 0.5
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1).float())
