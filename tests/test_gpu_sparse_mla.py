@@ -34,9 +34,11 @@ def run_both(q, kv, idx, d_v=512, scale=SCALE, seed=0):
     grad = torch.randn(q.shape[:-1] + (d_v,), generator=gen, device="cuda", dtype=q.dtype)
     res = {}
     for backend in ("tilelang", "reference"):
-        qq, kk = q.detach().clone().requires_grad_(True), kv.detach().clone().requires_grad_(True)
+        # the reference runs in fp32 on the same (bf16-representable) values
+        cast = (lambda x: x) if backend == "tilelang" else (lambda x: x.float())
+        qq, kk = cast(q.detach()).clone().requires_grad_(True), cast(kv.detach()).clone().requires_grad_(True)
         out, lse = sparse_mla(qq, kk, idx, scale, d_v=d_v, backend=backend)
-        out.backward(grad)
+        out.backward(cast(grad))
         res[backend] = (out.detach(), lse, qq.grad, kk.grad)
     return res["tilelang"], res["reference"]
 
@@ -71,7 +73,9 @@ def test_production_shape_ragged_rows(H):
     "B,T,T_kv,H,G,topk,d_v",
     [
         (2, 257, 300, 16, 1, 128, 512),  # batched
-        (1, 200, 512, 32, 2, 192, 512),  # kv groups
+        (1, 200, 512, 32, 2, 192, 512),  # kv groups, 16 heads per group
+        (1, 200, 512, 16, 1, 192, 512),  # 16 heads, odd number of topk blocks
+        (1, 160, 300, 8, 2, 128, 256),  # 4 heads per group, d_v 256
         (1, 150, 400, 128, 1, 256, 512),  # H=128: two head blocks
         (1, 100, 333, 64, 1, 100, 512),  # topk not a multiple of 64
         (1, 180, 250, 24, 1, 64, 512),  # heads per group padded to 32
@@ -93,13 +97,16 @@ def test_shapes(B, T, T_kv, H, G, topk, d_v):
 
 
 def test_large_magnitude_inputs_stay_finite_and_exact():
-    """Regression for the shared-memory-merge miscompile: q, kv ~ N(0, 4)."""
+    """Regression for the shared-memory-merge miscompile: q, kv ~ N(0, 4).
+
+    Scores have std ~4 here, so the softmax is sharp and the bf16 rounding of P and dP inside
+    the kernel weighs more: the bound is 6e-3 (the miscompile gave NaN, i.e. no bound at all)."""
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, H = 512, 64
     q = (2 * torch.randn(T, H, 576, generator=gen, device="cuda")).bfloat16()
     kv = (2 * torch.randn(T, 1, 576, generator=gen, device="cuda")).bfloat16()
     idx = w2_indices(T, 2048, gen)
-    _check(*run_both(q, kv, idx, scale=576**-0.5), idx)
+    _check(*run_both(q, kv, idx, scale=576**-0.5), idx, tol=6e-3)
 
 
 def test_unsupported_split_is_a_clear_error():
@@ -129,7 +136,8 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
 
 
 def test_nan_guard_regions_untouched():
-    """KV/dKV/out/dq inside NaN-filled guard regions: finite results, every guard element unchanged."""
+    """Every buffer the kernels touch sits inside NaN-filled guard regions (safe-memory pass off):
+    results finite and exact, every guard element unchanged after forward and backward."""
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -143,29 +151,42 @@ def test_nan_guard_regions_untouched():
             inner.copy_(fill)
         return buf, inner
 
-    kv_buf, kv = guarded((1, T_kv, 1, D), torch.bfloat16,
-                         torch.randn(1, T_kv, 1, D, generator=gen, device="cuda").bfloat16())
+    kv_real = torch.randn(1, T_kv, 1, D, generator=gen, device="cuda").bfloat16()
+    kv_ext = torch.cat([kv_real, torch.zeros_like(kv_real[:, :1])], dim=1)  # + zero sentinel row
+    kv_buf, kv = guarded((1, T_kv + 1, 1, D), torch.bfloat16, kv_ext)
     q = torch.randn(1, T, H, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     idx = torch.randint(0, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
-    idx[..., :3] = torch.tensor([0, T_kv - 1, -1], device="cuda", dtype=torch.int32)
     idx[torch.rand(idx.shape, generator=gen, device="cuda") < 0.4] = -1
+    idx[..., :3] = torch.tensor([0, T_kv - 1, -1], device="cuda", dtype=torch.int32)
     idx[:, 5] = -1
     out_buf, out = guarded((1, T, H, 512), torch.bfloat16)
     lse_buf, lse = guarded((1, T, H), torch.float32)
-    fwd = sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE)
-    fwd(q, kv, idx, out, lse)
+    sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE)(q, kv, idx, out, lse)
     dq_buf, dq = guarded((1, T, H, D), torch.bfloat16)
-    dkv_buf, dkv = guarded((1, T_kv, 1, D), torch.float32, torch.zeros(1, T_kv, 1, D, device="cuda"))
+    dkv_buf, dkv = guarded((1, T_kv + 1, 1, D), torch.float32, torch.zeros(1, T_kv + 1, 1, D, device="cuda"))
     do = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     delta = (out.float() * do.float()).sum(-1)
-    bwd = sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE)
-    bwd(q, kv, do, idx, lse, delta, dq, dkv)
+    sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE)(q, kv, do, idx, lse, delta, dq, dkv)
     torch.cuda.synchronize()
     for name, buf, inner in (("kv", kv_buf, kv), ("out", out_buf, out), ("lse", lse_buf, lse),
                              ("dq", dq_buf, dq), ("dkv", dkv_buf, dkv)):
         assert torch.isfinite(inner).all(), f"{name}: nonfinite inside"
         n = inner.numel()
         assert torch.isnan(buf[:GUARD]).all() and torch.isnan(buf[GUARD + n :]).all(), f"{name}: guard written"
-    r_out, r_lse = ref.forward(q, kv, idx, SCALE, 512)
-    r_dq, r_dkv = ref.backward(q, kv, idx, do, SCALE, 512)
-    assert rel_l2(out, r_out) < 3e-3 and rel_l2(dq, r_dq) < 3e-3 and rel_l2(dkv, r_dkv) < 3e-3
+    assert torch.all(dkv[:, T_kv] == 0), "sentinel row received a dKV contribution"
+    assert torch.all(out[0, 5] == 0) and torch.all(dq[0, 5] == 0)
+    r_out, r_lse = ref.forward(q.float(), kv_real.float(), idx, SCALE, 512)
+    r_dq, r_dkv = ref.backward(q.float(), kv_real.float(), idx, do.float(), SCALE, 512)
+    assert rel_l2(out, r_out) < 3e-3 and rel_l2(dq, r_dq) < 3e-3 and rel_l2(dkv[:, :T_kv], r_dkv) < 3e-3
+
+
+def test_guard_counts_calls_and_stays_quiet_on_good_output():
+    from glm5_dsa_plugin.ops import guard_stats, reset_guard_stats
+
+    reset_guard_stats()
+    q = torch.randn(64, 16, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(80, 1, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.randint(-1, 80, (64, 1, 64), device="cuda", dtype=torch.int32)
+    sparse_mla(q, kv, idx, SCALE, backend="tilelang")[0].sum().backward()
+    st = guard_stats()
+    assert st["calls_checked"] == 2 and st["events"] == 0

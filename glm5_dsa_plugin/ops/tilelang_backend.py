@@ -4,7 +4,9 @@ Padding done here (so the kernels never index past a buffer):
   * heads per kv group are padded with zero query heads to 16, 32, 64 or a multiple of 64
     (zero q gives finite scores; the padded heads' out is dropped and their dO is zero, so
     they add exactly nothing to dkv);
-  * topk is padded with -1 slots to a multiple of ``BLOCK_TOPK``.
+  * topk is padded with -1 slots to a multiple of ``BLOCK_TOPK``;
+  * kv gets one all-zero sentinel row appended (row T_kv): padding slots gather it
+    (see tilelang_kernels). The copy is one pass over kv, small next to the kernel.
 """
 
 from __future__ import annotations
@@ -30,9 +32,18 @@ def _import_status() -> tuple[bool, str]:
     return True, f"tilelang {tilelang.__version__}"
 
 
-def padded_heads_per_group(hg: int) -> int:
+# Smallest head tile per kernel. The forward with a 16-row head tile (mma m16 path) gives
+# wrong rows 8..15 for some topk/d_v on TileLang 0.1.15 (measured on the H200, see
+# benchmarks/NOTES.md), so the forward pads heads per group to >= 32; the backward's 16-row
+# tile is verified and kept.
+FWD_MIN_HEADS = 32
+BWD_MIN_HEADS = 16
+
+
+def padded_heads_per_group(hg: int, minimum: int = 16) -> int:
+    """Heads per kv group as the kernels see them: a power of two in [minimum, 64], or a multiple of 64."""
     if hg <= 64:
-        p = 16
+        p = minimum
         while p < hg:
             p *= 2
         return p
@@ -60,6 +71,11 @@ def _pad_topk(indices: torch.Tensor, block: int) -> torch.Tensor:
     if k % block == 0:
         return indices.contiguous()
     return F.pad(indices, (0, block - k % block), value=-1).contiguous()
+
+
+def _with_sentinel_row(kv: torch.Tensor) -> torch.Tensor:
+    """[B, T_kv, G, D] -> [B, T_kv + 1, G, D] whose last row is zero."""
+    return torch.cat([kv, kv.new_zeros(kv.shape[0], 1, *kv.shape[2:])], dim=1)
 
 
 def _row_delta(out: torch.Tensor, grad_out: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
@@ -100,16 +116,19 @@ class TileLangBackend:
             raise SparseMLAInputError(f"sparse_mla backend 'tilelang' needs CUDA tensors, got {q.device}")
         check_split(d_v, q.shape[-1] - d_v)
 
-    def _geometry(self, q, kv):
+    def _kv_for_kernel(self, kv):
+        return _with_sentinel_row(kv) if self.safe else kv.contiguous()
+
+    def _geometry(self, q, kv, minimum):
         H, G = q.shape[2], kv.shape[2]
         hg = H // G
-        return G, hg, padded_heads_per_group(hg)
+        return G, hg, padded_heads_per_group(hg, minimum)
 
     def forward(self, q, kv, indices, sm_scale, d_v):
         from .tilelang_kernels import BLOCK_TOPK, sparse_mla_fwd_kernel
 
         self._check(q, kv, d_v)
-        G, hg, hg_pad = self._geometry(q, kv)
+        G, hg, hg_pad = self._geometry(q, kv, FWD_MIN_HEADS)
         qp = _pad_heads(q, G, hg, hg_pad)
         idx = _pad_topk(indices, BLOCK_TOPK)
         B, T, Hp, Dqk = qp.shape
@@ -117,14 +136,14 @@ class TileLangBackend:
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
         if T > 0:
-            kernel(qp, kv.contiguous(), idx, out, lse)
+            kernel(qp, self._kv_for_kernel(kv), idx, out, lse)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad)
 
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
         from .tilelang_kernels import BLOCK_TOPK, sparse_mla_bwd_kernel
 
         self._check(q, kv, d_v)
-        G, hg, hg_pad = self._geometry(q, kv)
+        G, hg, hg_pad = self._geometry(q, kv, BWD_MIN_HEADS)
         delta = _row_delta(out, grad_out)
         qp = _pad_heads(q, G, hg, hg_pad)
         dop = _pad_heads(grad_out, G, hg, hg_pad)
@@ -133,8 +152,9 @@ class TileLangBackend:
         idx = _pad_topk(indices, BLOCK_TOPK)
         B, T, Hp, Dqk = qp.shape
         kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
+        kv_k = self._kv_for_kernel(kv)
         dq = torch.empty_like(qp)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=kv.device)
         if T > 0:
-            kernel(qp, kv.contiguous(), dop, idx, lsep, deltap, dq, dkv)
-        return _unpad_heads(dq, G, hg, hg_pad), dkv.to(kv.dtype)
+            kernel(qp, kv_k, dop, idx, lsep, deltap, dq, dkv)
+        return _unpad_heads(dq, G, hg, hg_pad), dkv[:, : kv.shape[1]].to(kv.dtype)

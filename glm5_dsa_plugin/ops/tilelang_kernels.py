@@ -2,8 +2,11 @@
 
 Fixes over the vendored copies (each applies when ``safe=True``, the only mode the backend uses;
 ``safe=False`` exists so the benchmark can measure what the fixes cost):
-  * padding slots: the gather address is clamped into [0, T_kv) and the loaded row is
-    zero-filled; its score is -inf; its dKV atomic adds exact zeros to a valid row;
+  * padding slots: the host appends one all-zero *sentinel* row to kv (row T_kv of a
+    [B, T_kv + 1, G, Dqk] tensor). A slot whose index is not in [0, T_kv) gathers that row:
+    the address is always a real row and the loaded key/value is exactly zero, with no
+    data-dependent branch on the load itself (so the gathers stay asynchronous copies).
+    Its score is -inf; it issues no dKV atomic (its dKV rows are exact zeros anyway);
   * rows with no valid slot: out = 0, lse = EMPTY_ROW_LSE (finite), hence P = 0 and dq = 0;
   * no reliance on TileLang's safe-memory legalisation (it is disabled below, on purpose):
     every global access is in bounds by construction (one query row per block, heads padded
@@ -48,10 +51,27 @@ def head_block(heads_per_group: int) -> int:
     return min(64, heads_per_group)
 
 
+def bwd_block_slots(heads_per_group: int) -> int:
+    """Slots per backward step: 8 warps split the [h_blk, BS] score tile along BS, >= 8 columns each."""
+    return 32 if head_block(heads_per_group) == 64 else 64
+
+
+def valid_slot(idx, n_rows):
+    return (idx >= 0) & (idx < n_rows)
+
+
+def gather_row(idx, n_rows, safe):
+    """Row of the sentinel-extended kv ([n_rows + 1] rows) that a slot reads: idx, or the zero row."""
+    if not safe:
+        return idx
+    return T.if_then_else(valid_slot(idx, n_rows), idx, n_rows)
+
+
 @functools.lru_cache(maxsize=None)
 def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_i=BLOCK_TOPK,
                           num_stages=2, threads=256, target="cuda"):
-    """Q [B,T,H,Dqk] bf16, KV [B,T_kv,G,Dqk] bf16, Indices [B,T,G,topk] i32 -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32."""
+    """Q [B,T,H,Dqk] bf16, KV [B,T_kv+1,G,Dqk] bf16 (last row zero; T_kv rows when not safe),
+    Indices [B,T,G,topk] i32 -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log)."""
     assert topk % block_i == 0 and heads % kv_group == 0
     hg = heads // kv_group
     h_blk = head_block(hg)
@@ -60,12 +80,13 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     D, DT, BI, NI = d_v, d_tail, block_i, topk // block_i
     scale2 = float(sm_scale) * LOG2E
     dtype, acc = T.bfloat16, T.float32
-    B, S, SKV = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("seq_len_kv")
+    B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
+    n_kv = SKV1 - 1 if safe else SKV1  # real kv rows
 
     @T.prim_func
     def fwd(
         Q: T.Tensor([B, S, heads, D + DT], dtype),
-        KV: T.Tensor([B, SKV, kv_group, D + DT], dtype),
+        KV: T.Tensor([B, SKV1, kv_group, D + DT], dtype),
         Indices: T.Tensor([B, S, kv_group, topk], T.int32),
         Out: T.Tensor([B, S, heads, D], dtype),
         Lse: T.Tensor([B, S, heads], acc),
@@ -90,26 +111,18 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             T.fill(m, _MASK_INIT)
             s = bx // rep
             h0 = g * hg + (bx % rep) * h_blk
-            T.copy(Q[b, s, h0 : h0 + h_blk, :D], q_s)
-            T.copy(Q[b, s, h0 : h0 + h_blk, D:], qt_s)
+            for h, d in T.Parallel(h_blk, D):
+                q_s[h, d] = Q[b, s, h0 + h, d]
+            for h, d in T.Parallel(h_blk, DT):
+                qt_s[h, d] = Q[b, s, h0 + h, D + d]
 
             for i in T.Pipelined(NI, num_stages=num_stages):
-                if safe:
-                    for j in T.Parallel(BI):
-                        valid[j] = (Indices[b, s, g, i * BI + j] >= 0) & (Indices[b, s, g, i * BI + j] < SKV)
-                    for j, d in T.Parallel(BI, D):
-                        idx = T.min(T.max(Indices[b, s, g, i * BI + j], 0), SKV - 1)
-                        kv_s[j, d] = T.if_then_else(Indices[b, s, g, i * BI + j] >= 0, KV[b, idx, g, d], T.cast(0, dtype))
-                    for j, d in T.Parallel(BI, DT):
-                        idx = T.min(T.max(Indices[b, s, g, i * BI + j], 0), SKV - 1)
-                        kt_s[j, d] = T.if_then_else(Indices[b, s, g, i * BI + j] >= 0, KV[b, idx, g, D + d], T.cast(0, dtype))
-                else:
-                    for j in T.Parallel(BI):
-                        valid[j] = Indices[b, s, g, i * BI + j] >= 0
-                    for j, d in T.Parallel(BI, D):
-                        kv_s[j, d] = KV[b, Indices[b, s, g, i * BI + j], g, d]
-                    for j, d in T.Parallel(BI, DT):
-                        kt_s[j, d] = KV[b, Indices[b, s, g, i * BI + j], g, D + d]
+                for j in T.Parallel(BI):
+                    valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv)
+                for j, d in T.Parallel(BI, D):
+                    kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, safe), g, d]
+                for j, d in T.Parallel(BI, DT):
+                    kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, safe), g, D + d]
 
                 for h, j in T.Parallel(h_blk, BI):
                     acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
@@ -143,37 +156,44 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                     acc_o[h, d] = acc_o[h, d] / row_sum[h]
                 for h in T.Parallel(h_blk):
                     row_sum[h] = (T.log2(row_sum[h]) + m[h] * scale2) * LN2
-            T.copy(acc_o, Out[b, s, h0 : h0 + h_blk, :])
-            T.copy(row_sum, Lse[b, s, h0 : h0 + h_blk])
+            for h, d in T.Parallel(h_blk, D):
+                Out[b, s, h0 + h, d] = acc_o[h, d]
+            for h in T.Parallel(h_blk):
+                Lse[b, s, h0 + h] = row_sum[h]
 
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
 
 
 @functools.lru_cache(maxsize=None)
-def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_s=32, threads=256,
+def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_s=None, threads=256,
                           target="cuda"):
-    """Q, KV, dO [B,T,H,d_v] bf16, Indices, Lse [B,T,H] f32 (natural), Delta [B,T,H] f32 = rowsum(O*dO)
-    -> dQ [B,T,H,Dqk] bf16 (written), dKV [B,T_kv,G,Dqk] f32 (accumulated atomically; caller zeroes)."""
-    assert topk % block_s == 0 and heads % kv_group == 0
+    """Q [B,T,H,Dqk], KV [B,T_kv+1,G,Dqk] (as forward), dO [B,T,H,d_v] bf16, Indices [B,T,G,topk],
+    Lse [B,T,H] f32 (natural), Delta [B,T,H] f32 = rowsum(O*dO)
+    -> dQ [B,T,H,Dqk] bf16 (written), dKV [B,T_kv+1,G,Dqk] f32 (accumulated atomically; caller zeroes)."""
+    assert heads % kv_group == 0
     hg = heads // kv_group
     h_blk = head_block(hg)
     nh = hg // h_blk
-    D, DT, BS, NS = d_v, d_tail, block_s, topk // block_s
-    split = 2
+    BS = block_s or bwd_block_slots(hg)
+    assert topk % BS == 0
+    D, DT, NS = d_v, d_tail, topk // BS
+    split = BS // 16  # dKV staged 16 slot rows at a time
+    R = BS // split
     scale, scale2 = float(sm_scale), float(sm_scale) * LOG2E
     dtype, acc = T.bfloat16, T.float32
-    B, S, SKV = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("seq_len_kv")
+    B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
+    n_kv = SKV1 - 1 if safe else SKV1
 
     @T.prim_func
     def bwd(
         Q: T.Tensor([B, S, heads, D + DT], dtype),
-        KV: T.Tensor([B, SKV, kv_group, D + DT], dtype),
+        KV: T.Tensor([B, SKV1, kv_group, D + DT], dtype),
         dO: T.Tensor([B, S, heads, D], dtype),
         Indices: T.Tensor([B, S, kv_group, topk], T.int32),
         Lse: T.Tensor([B, S, heads], acc),
         Delta: T.Tensor([B, S, heads], acc),
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
-        dKV: T.Tensor([B, SKV, kv_group, D + DT], acc),
+        dKV: T.Tensor([B, SKV1, kv_group, D + DT], acc),
     ):
         with T.Kernel(S, B, kv_group * nh, threads=threads) as (s, b, bz):
             g = bz // nh
@@ -192,37 +212,27 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             acc_dqt = T.alloc_fragment([h_blk, DT], acc)
             acc_dkv = T.alloc_fragment([BS, D], acc)
             acc_dkvt = T.alloc_fragment([BS, DT], acc)
-            dkv_s = T.alloc_shared([BS // split, D], acc)
-            dkvt_s = T.alloc_shared([BS // split, DT], acc)
+            dkv_s = T.alloc_shared([R, D], acc)
+            dkvt_s = T.alloc_shared([R, DT], acc)
 
-            T.copy(Q[b, s, h0 : h0 + h_blk, :D], q_s)
-            T.copy(Q[b, s, h0 : h0 + h_blk, D:], qt_s)
-            T.copy(dO[b, s, h0 : h0 + h_blk, :], do_s)
+            for h, d in T.Parallel(h_blk, D):
+                q_s[h, d] = Q[b, s, h0 + h, d]
+                do_s[h, d] = dO[b, s, h0 + h, d]
+            for h, d in T.Parallel(h_blk, DT):
+                qt_s[h, d] = Q[b, s, h0 + h, D + d]
             T.clear(acc_dq)
             T.clear(acc_dqt)
 
             for i in T.Pipelined(NS, num_stages=0):
-                if safe:
-                    for j in T.Parallel(BS):
-                        valid[j] = (Indices[b, s, g, i * BS + j] >= 0) & (Indices[b, s, g, i * BS + j] < SKV)
-                    for j, d in T.Parallel(BS, D):
-                        idx = T.min(T.max(Indices[b, s, g, i * BS + j], 0), SKV - 1)
-                        kv_s[j, d] = T.if_then_else(Indices[b, s, g, i * BS + j] >= 0, KV[b, idx, g, d], T.cast(0, dtype))
-                else:
-                    for j in T.Parallel(BS):
-                        valid[j] = Indices[b, s, g, i * BS + j] >= 0
-                    for j, d in T.Parallel(BS, D):
-                        kv_s[j, d] = KV[b, Indices[b, s, g, i * BS + j], g, d]
+                for j in T.Parallel(BS):
+                    valid[j] = valid_slot(Indices[b, s, g, i * BS + j], n_kv)
+                for j, d in T.Parallel(BS, D):
+                    kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, d]
                 for h, j in T.Parallel(h_blk, BS):
                     acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
                 T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                if safe:
-                    for j, d in T.Parallel(BS, DT):
-                        idx = T.min(T.max(Indices[b, s, g, i * BS + j], 0), SKV - 1)
-                        kt_s[j, d] = T.if_then_else(Indices[b, s, g, i * BS + j] >= 0, KV[b, idx, g, D + d], T.cast(0, dtype))
-                else:
-                    for j, d in T.Parallel(BS, DT):
-                        kt_s[j, d] = KV[b, Indices[b, s, g, i * BS + j], g, D + d]
+                for j, d in T.Parallel(BS, DT):
+                    kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, D + d]
                 T.gemm(qt_s, kt_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
 
                 for h, j in T.Parallel(h_blk, BS):
@@ -240,30 +250,29 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 
                 for part in range(split):
                     for j, d in T.Parallel(BS, D):
-                        if j < BS // split:
-                            dkv_s[j, d] = acc_dkv[j + part * (BS // split), d]
+                        if j < R:
+                            dkv_s[j, d] = acc_dkv[j + part * R, d]
                     for j, d in T.Parallel(BS, DT):
-                        if j < BS // split:
-                            dkvt_s[j, d] = acc_dkvt[j + part * (BS // split), d]
-                    # padding slots carry exact-zero rows (P = dP = 0); their clamped address is valid
-                    for j, d in T.Parallel(BS // split, D // 4):
-                        if safe:
+                        if j < R:
+                            dkvt_s[j, d] = acc_dkvt[j + part * R, d]
+                    # padding slots hold exact-zero dKV rows and issue no atomic: otherwise every one
+                    # of them would serialise on the same (sentinel) address
+                    for j, d in T.Parallel(R, D // 4):
+                        if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv):
                             T.atomic_addx4(
-                                dKV[b, T.min(T.max(Indices[b, s, g, i * BS + j + part * (BS // split)], 0), SKV - 1), g, d * 4],
+                                dKV[b, gather_row(Indices[b, s, g, i * BS + j + part * R], n_kv, safe), g, d * 4],
                                 dkv_s[j, d * 4],
                             )
-                        else:
-                            T.atomic_addx4(dKV[b, Indices[b, s, g, i * BS + j + part * (BS // split)], g, d * 4], dkv_s[j, d * 4])
-                    for j, d in T.Parallel(BS // split, DT // 4):
-                        if safe:
+                    for j, d in T.Parallel(R, DT // 4):
+                        if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv):
                             T.atomic_addx4(
-                                dKV[b, T.min(T.max(Indices[b, s, g, i * BS + j + part * (BS // split)], 0), SKV - 1), g, D + d * 4],
+                                dKV[b, gather_row(Indices[b, s, g, i * BS + j + part * R], n_kv, safe), g, D + d * 4],
                                 dkvt_s[j, d * 4],
                             )
-                        else:
-                            T.atomic_addx4(dKV[b, Indices[b, s, g, i * BS + j + part * (BS // split)], g, D + d * 4], dkvt_s[j, d * 4])
 
-            T.copy(acc_dq, dQ[b, s, h0 : h0 + h_blk, :D])
-            T.copy(acc_dqt, dQ[b, s, h0 : h0 + h_blk, D:])
+            for h, d in T.Parallel(h_blk, D):
+                dQ[b, s, h0 + h, d] = acc_dq[h, d]
+            for h, d in T.Parallel(h_blk, DT):
+                dQ[b, s, h0 + h, D + d] = acc_dqt[h, d]
 
     return tilelang.compile(bwd, pass_configs=PASS_CONFIGS, target=target)
