@@ -1,0 +1,198 @@
+"""Nonfinite guard: fault injection through a test-only backend, repair, dumps, replay, doctor (CPU)."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from glm5_dsa_plugin.ops import configure, guard_stats, register_backend, reset_guard_stats, sparse_mla
+from glm5_dsa_plugin.ops import guard
+from glm5_dsa_plugin.ops import reference as ref
+from glm5_dsa_plugin.ops.backends import ReferenceBackend, unregister_backend
+from sparse_mla_cases import make_indices
+
+NAN = float("nan")
+
+
+class FaultyBackend(ReferenceBackend):
+    """The reference, then NaN written into chosen rows (test-only)."""
+
+    name = "faulty"
+    fwd_rows: list = []
+    dq_rows: list = []
+    dkv_rows: list = []
+
+    def forward(self, q, kv, indices, sm_scale, d_v):
+        out, lse = super().forward(q, kv, indices, sm_scale, d_v)
+        for b, t in self.fwd_rows:
+            out[b, t, 0, 0] = NAN
+        return out, lse
+
+    def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
+        dq, dkv = super().backward(q, kv, indices, out, lse, grad_out, sm_scale, d_v)
+        for b, t in self.dq_rows:
+            dq[b, t, -1, 3] = NAN
+        for b, s in self.dkv_rows:
+            dkv[b, s, 0, :2] = float("inf")
+        return dq, dkv
+
+
+@pytest.fixture
+def faulty(tmp_path):
+    be = FaultyBackend()
+    register_backend("faulty", lambda: be, replace=True)
+    configure(policy="fallback", dump_dir=str(tmp_path), dump_every=1)
+    reset_guard_stats()
+    yield be
+    unregister_backend("faulty")
+    configure(policy="fallback", dump_dir="glm5_dsa_dumps", dump_every=100)
+    reset_guard_stats()
+
+
+def _inputs(seed=0, B=2, T=12, T_kv=10, H=4, G=2, K=5, D=12):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(B, T_kv, G, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    idx = make_indices(B, T, G, K, T_kv, gen, empty_rows=[4])
+    g = torch.randn(B, T, H, 8, generator=gen, dtype=torch.float64)
+    return q, kv, idx, g
+
+
+def test_forward_repair_rows_only(faulty):
+    faulty.fwd_rows = [(0, 3), (1, 7)]
+    q, kv, idx, _ = _inputs()
+    with pytest.warns(RuntimeWarning, match="repaired"):
+        out, lse = sparse_mla(q, kv, idx, 0.4, d_v=8, backend="faulty")
+    r_out, r_lse = ref.forward(q.detach(), kv.detach(), idx, 0.4, 8)
+    torch.testing.assert_close(out, r_out, rtol=1e-12, atol=1e-12)
+    good = torch.ones(2, 12, dtype=torch.bool)
+    good[0, 3] = good[1, 7] = False
+    assert torch.equal(out[good], r_out[good])  # untouched bit for bit
+    st = guard_stats()
+    assert st["events"] == 1 and st["rows_repaired"] == 2 and st["calls_checked"] == 1
+
+
+def test_backward_repair_dq_rows_and_dkv_rows(faulty):
+    faulty.dq_rows = [(1, 2)]
+    faulty.dkv_rows = [(0, 3)]
+    q, kv, idx, g = _inputs(1)
+    with pytest.warns(RuntimeWarning):
+        out, _ = sparse_mla(q, kv, idx, 0.4, d_v=8, backend="faulty")
+        dq, dkv = torch.autograd.grad(out, (q, kv), g)
+    r_dq, r_dkv = ref.backward(q.detach(), kv.detach(), idx, g, 0.4, 8)
+    torch.testing.assert_close(dq, r_dq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dkv, r_dkv, rtol=1e-12, atol=1e-12)
+    good_q = torch.ones(2, 12, dtype=torch.bool)
+    good_q[1, 2] = False
+    assert torch.equal(dq[good_q], r_dq[good_q])
+    good_kv = torch.ones(2, 10, dtype=torch.bool)
+    good_kv[0, 3] = False
+    assert torch.equal(dkv[good_kv], r_dkv[good_kv])
+    st = guard_stats()
+    assert st["rows_repaired"] == 1 and st["kv_rows_repaired"] == 1 and st["events"] == 1
+
+
+def test_warns_once_and_counts(faulty):
+    faulty.fwd_rows = [(0, 1)]
+    q, kv, idx, _ = _inputs()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            sparse_mla(q, kv, idx, 0.4, d_v=8, backend="faulty")
+    assert sum("repaired" in str(x.message) for x in w) == 1
+    assert guard_stats()["events"] == 3 and guard_stats()["calls_checked"] == 3
+
+
+def test_raise_policy_names_the_dump(faulty, tmp_path):
+    faulty.fwd_rows = [(1, 0)]
+    configure(policy="raise")
+    q, kv, idx, _ = _inputs()
+    with pytest.raises(FloatingPointError, match=str(tmp_path)) as e:
+        sparse_mla(q, kv, idx, 0.4, d_v=8, backend="faulty")
+    path = guard_stats()["dumps"][0]
+    assert path in str(e.value)
+    dump = torch.load(path, weights_only=False)
+    assert set(dump["inputs"]) >= {"q", "kv", "indices", "sm_scale", "d_v"}
+    assert torch.isnan(dump["bad_outputs"]["out"][1, 0]).any()
+    assert "torch" in dump["env"] and "pass_configs" in dump["env"]
+
+
+def test_off_policy_passes_nan_through(faulty):
+    faulty.fwd_rows = [(0, 0)]
+    configure(policy="off")
+    q, kv, idx, _ = _inputs()
+    out, _ = sparse_mla(q, kv, idx, 0.4, d_v=8, backend="faulty")
+    assert torch.isnan(out).any() and guard_stats()["calls_checked"] == 0
+
+
+def test_bad_inputs_are_not_hidden(faulty):
+    q, kv, idx, _ = _inputs()
+    with torch.no_grad():
+        q[0, 2, 1, 0] = NAN  # a nonfinite input cannot be repaired: loud, not silent
+    with pytest.raises(FloatingPointError, match="inputs are bad"):
+        with pytest.warns(RuntimeWarning):
+            sparse_mla(q, kv, idx, 0.4, d_v=8, backend="faulty")
+
+
+def test_dump_every_n(faulty, tmp_path):
+    faulty.fwd_rows = [(0, 1)]
+    configure(dump_every=2)
+    q, kv, idx, _ = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(5):
+            sparse_mla(q, kv, idx, 0.4, d_v=8, backend="faulty")
+    assert len(guard_stats()["dumps"]) == 3  # events 1, 3, 5
+
+
+def test_env_policy_is_validated():
+    code = "import glm5_dsa_plugin.ops"
+    r = subprocess.run([sys.executable, "-c", code], env={"GLM5_DSA_NONFINITE": "maybe", "PATH": ""},
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "GLM5_DSA_NONFINITE" in r.stderr
+    with pytest.raises(ValueError):
+        configure(policy="sometimes")
+
+
+def test_replay_script_exit_codes(faulty, tmp_path):
+    faulty.dq_rows = [(0, 5)]
+    q, kv, idx, g = _inputs(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, _ = sparse_mla(q, kv, idx, 0.4, d_v=8, backend="faulty")
+        torch.autograd.grad(out, (q, kv), g)
+    path = guard_stats()["dumps"][0]
+    script = "scripts/replay_sparse_mla.py"
+    r = subprocess.run([sys.executable, script, path, "--device", "cpu"], capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "nonfinite rows      1/24" in r.stdout and "DISAGREE" in r.stdout
+    # the same dump with good outputs agrees
+    dump = torch.load(path, weights_only=False)
+    dq, dkv = ref.backward(q.detach(), kv.detach(), idx, g, 0.4, 8)
+    dump["bad_outputs"] = {"dq": dq, "dkv": dkv}
+    dump["backend"] = "reference"
+    good = tmp_path / "good.pt"
+    torch.save(dump, good)
+    r = subprocess.run([sys.executable, script, str(good), "--device", "cpu"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "AGREE" in r.stdout
+
+
+def test_doctor_reports_versions_and_backend_choice():
+    r = subprocess.run([sys.executable, "-m", "glm5_dsa_plugin", "doctor"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for needle in ("torch", "tilelang", "megatron-core", "transformers", "megatron-bridge", "backend='auto' picks"):
+        assert needle in r.stdout
+    if not torch.cuda.is_available():
+        assert "picks   reference" in r.stdout
+
+
+def test_doctor_warns_on_known_bad_tilelang(monkeypatch):
+    from glm5_dsa_plugin import doctor
+
+    monkeypatch.setattr(doctor, "versions", lambda: {"tilelang": "0.1.10"})
+    lines = []
+    assert doctor.run(lines.append) == 1
+    assert any("known to miscompile" in x for x in lines)
