@@ -1,0 +1,226 @@
+"""GLM-5 lightning indexer math: RoPE, scores, deterministic top-k, indexer KL loss, index sharing.
+
+Pure PyTorch, no Megatron. Matches HF transformers 5.12 ``GlmMoeDsaIndexer`` (model type
+``glm_moe_dsa``). Internal layout (the HF one, chosen once here): the RoPE part is the *first*
+``rope_dim`` channels of the indexer q/k, rotated non-interleaved (half split).
+
+Shapes (packed THD; a batch is flattened into one packed sequence with ``cu_seqlens``):
+    q  [T, Hi, Di]   indexer queries after RoPE          (GLM-5: Hi = 32, Di = 128)
+    k  [T_kv, Di]    indexer keys after LayerNorm + RoPE
+    w  [T, Hi]       weights_proj(x) * Hi ** -0.5
+    score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] * Di ** -0.5)   for visible (t, s)
+Visibility: same sequence and key position <= query position (positions within the sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ops.contract import PAD_INDEX
+
+_CHUNK_ELEMS = 1 << 25  # fp32 elements of [rows, Hi, T_kv] scratch per chunk
+
+
+# --------------------------------------------------------------------------- RoPE
+def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float, dtype=torch.float32):
+    """positions [T] int -> (cos, sin) [T, rope_dim] in HF's ``cat(freqs, freqs)`` layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions.device) / rope_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Non-interleaved RoPE on the first ``cos.shape[-1]`` channels of x [T, ..., D]; cos/sin [T, r]."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (r,)
+    c, s = cos.view(shape), sin.view(shape)
+    half = r // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
+
+
+# --------------------------------------------------------------------------- visibility
+@dataclass(frozen=True)
+class Visibility:
+    """Who may see whom, in packed coordinates.
+
+    query_seq/query_pos [T] and key_seq/key_pos [T_kv] (int64): sequence id and position inside
+    the sequence; key s is visible to query t iff same sequence and key_pos[s] <= query_pos[t].
+    Query rows and key rows may be different token sets (context parallel: local queries against
+    the all-gathered keys, both in the natural packed order)."""
+
+    query_seq: torch.Tensor
+    query_pos: torch.Tensor
+    key_seq: torch.Tensor
+    key_pos: torch.Tensor
+
+    @staticmethod
+    def from_cu_seqlens(cu_seqlens: torch.Tensor, device=None) -> "Visibility":
+        """cu_seqlens [n_seq + 1] (megatron-core PackedSeqParams) -> self-attention visibility."""
+        cu = cu_seqlens.to(device=device or cu_seqlens.device, dtype=torch.int64)
+        total = int(cu[-1])
+        lengths = cu[1:] - cu[:-1]
+        if (lengths < 0).any():
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
+        pos = torch.arange(total, device=cu.device) - cu[:-1][seq]
+        return Visibility(seq, pos, seq, pos)
+
+    @staticmethod
+    def causal(T: int, device=None) -> "Visibility":
+        return Visibility.from_cu_seqlens(torch.tensor([0, T]), device=device)
+
+    def rows(self, sel) -> "Visibility":
+        """Visibility of a subset of query rows (index tensor or slice) against the same keys."""
+        return Visibility(self.query_seq[sel], self.query_pos[sel], self.key_seq, self.key_pos)
+
+    def mask(self, rows=slice(None)) -> torch.Tensor:
+        """bool [T_rows, T_kv]."""
+        qs, qp = self.query_seq[rows], self.query_pos[rows]
+        return (qs[:, None] == self.key_seq[None, :]) & (self.key_pos[None, :] <= qp[:, None])
+
+
+# --------------------------------------------------------------------------- scores + top-k
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """q [C, Hi, Di], k [T_kv, Di], w [C, Hi] -> fp32 scores [C, T_kv] (no visibility mask)."""
+    s = torch.einsum("chd,sd->chs", q.float(), k.float()) * (q.shape[-1] ** -0.5)
+    return torch.einsum("chs,ch->cs", torch.relu(s), w.float())
+
+
+def deterministic_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [C, T_kv] fp32 with -inf for invisible keys -> indices [C, topk] int32.
+
+    Highest score first; equal scores in ascending key index (lowest index wins the last places);
+    slots with no visible key are -1 and come last. Exact and independent of the order in
+    which torch.topk happens to return ties."""
+    C, n = scores.shape
+    k_eff = min(topk, n)
+    vals = scores.topk(k_eff, dim=-1).values
+    thr = vals[:, -1:]
+    visible = scores > float("-inf")
+    above = scores > thr
+    tie = (scores == thr) & visible
+    need = k_eff - above.sum(-1, keepdim=True)
+    take = above | (tie & (tie.cumsum(-1) <= need))
+    # the taken keys in ascending index order (taken keys outrank untaken ones in the key)
+    order_key = take.to(torch.int64) * (n - torch.arange(n, device=scores.device))
+    cand = order_key.topk(k_eff, dim=-1).indices
+    cand_taken = take.gather(-1, cand)
+    cand_scores = torch.where(cand_taken, scores.gather(-1, cand), torch.full_like(vals, float("-inf")))
+    # stable sort by score (desc) keeps ascending index among equal scores
+    order = torch.sort(cand_scores, dim=-1, descending=True, stable=True).indices
+    idx = cand.gather(-1, order)
+    ok = cand_taken.gather(-1, order)
+    idx = torch.where(ok, idx, torch.full_like(idx, PAD_INDEX)).to(torch.int32)
+    if topk > k_eff:
+        idx = torch.nn.functional.pad(idx, (0, topk - k_eff), value=PAD_INDEX)
+    return idx
+
+
+def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vis: Visibility,
+                chunk_rows: int | None = None) -> torch.Tensor:
+    """Indices [T, topk] int32 in packed kv coordinates, chunked over query rows.
+
+    Every emitted index is visible to its row (same sequence, not in the future) and < T_kv;
+    -1 fills the slots a row cannot use. Checked before returning (a violation is a bug here,
+    raised, never handed to the kernel)."""
+    T, Hi, _ = q.shape
+    n = k.shape[0]
+    out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
+    c = chunk_rows or max(1, _CHUNK_ELEMS // max(1, Hi * n))
+    with torch.no_grad():
+        for t0 in range(0, T, c):
+            t1 = min(T, t0 + c)
+            sc = index_scores(q[t0:t1], k, w[t0:t1])
+            sc = sc.masked_fill(~vis.mask(slice(t0, t1)), float("-inf"))
+            out[t0:t1] = deterministic_topk(sc, topk)
+    check_topk(out, vis)
+    return out
+
+
+def check_topk(indices: torch.Tensor, vis: Visibility) -> None:
+    """Raise if any index is outside [-1, T_kv), invisible to its row, or repeated in its row."""
+    n = vis.key_seq.shape[0]
+    bad_range = (indices < PAD_INDEX) | (indices >= n)
+    if bool(bad_range.any()):
+        t, j = bad_range.nonzero()[0].tolist()
+        raise RuntimeError(f"indexer produced index {int(indices[t, j])} at row {t}, slot {j}; T_kv = {n}")
+    valid = indices >= 0
+    safe = indices.clamp(min=0).long()
+    seen = (vis.key_seq[safe] == vis.query_seq[:, None]) & (vis.key_pos[safe] <= vis.query_pos[:, None])
+    if bool((valid & ~seen).any()):
+        t, j = (valid & ~seen).nonzero()[0].tolist()
+        raise RuntimeError(f"indexer selected key {int(indices[t, j])} invisible to row {t} (slot {j})")
+    srt = torch.sort(torch.where(valid, indices, torch.full_like(indices, -2 - 0)), dim=-1).values
+    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    if bool(dup.any()):
+        t = int(dup.nonzero()[0, 0])
+        raise RuntimeError(f"indexer selected a key twice in row {t}")
+
+
+def selected_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Differentiable indexer logits at the selected slots: [T, topk] fp32, -inf at padding."""
+    valid = indices >= 0
+    ks = k[indices.clamp(min=0).long()]  # [T, K, Di]
+    s = torch.einsum("thd,tkd->thk", q.float(), ks.float()) * (q.shape[-1] ** -0.5)
+    sc = torch.einsum("thk,th->tk", torch.relu(s), w.float())
+    return sc.masked_fill(~valid, float("-inf"))
+
+
+# --------------------------------------------------------------------------- loss
+def indexer_kl_loss(index_logits: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                    sm_scale: float, coeff: float, eps: float = 1e-10) -> torch.Tensor:
+    """KL(target || indexer) over the selected slots, averaged over query rows, times ``coeff``.
+
+    index_logits [T, K] (indexer scores at the slots, -inf at padding, differentiable);
+    query [T, H, D] and kv [T_kv, D] the attention q / latent kv (detached here);
+    target = normalise(sum_h softmax_h(sm_scale * q_h . kv[idx])) over valid slots.
+    Same value as megatron-core 0.19.2 ``compute_dsa_indexer_loss(..., sparse_loss=True)``."""
+    valid = indices >= 0
+    with torch.no_grad():
+        kv_sel = kv[indices.clamp(min=0).long()].float()  # [T, K, D]
+        att = torch.einsum("thd,tkd->thk", query.float(), kv_sel) * sm_scale
+        att = att.masked_fill(~valid[:, None, :], float("-inf"))
+        has = valid.any(-1)[:, None, None]
+        att = torch.where(has, torch.softmax(torch.where(has, att, torch.zeros_like(att)), dim=-1), torch.zeros_like(att))
+        target = att.sum(1)
+        target = target / target.sum(-1, keepdim=True).clamp_min(eps)
+    logits = index_logits.masked_fill(~valid, torch.finfo(torch.float32).min)
+    logits = torch.where(valid.any(-1, keepdim=True), logits, torch.zeros_like(logits))
+    logp = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
+    kl = (target * (torch.log(target.clamp_min(eps)) - logp)).masked_fill(~valid, 0.0).sum(-1)
+    return kl.sum() / max(kl.numel(), 1) * coeff
+
+
+# --------------------------------------------------------------------------- index sharing
+def computes_indices(layer_number: int, topk_freq: int = 1, skip_offset: int = 0) -> bool:
+    """1-indexed layer: True if it runs its indexer, False if it reuses the last computing layer's
+    indices (GLM-5.2: freq 4, offset 3; same rule as HF ``indexer_types`` and megatron-core)."""
+    if layer_number < 1 or topk_freq < 1 or skip_offset < 0:
+        raise ValueError(f"bad index-sharing arguments: layer {layer_number}, freq {topk_freq}, offset {skip_offset}")
+    return max(layer_number - max(skip_offset, 1), 0) % topk_freq == 0
+
+
+def index_source_layer(layer_number: int, topk_freq: int = 1, skip_offset: int = 0) -> int:
+    """The computing layer whose indices ``layer_number`` uses (itself if it computes)."""
+    L = layer_number
+    while not computes_indices(L, topk_freq, skip_offset):
+        L -= 1
+    return L
+
+
+def check_stage_layers(first_layer: int, last_layer: int, topk_freq: int = 1, skip_offset: int = 0) -> None:
+    """A pipeline stage owning 1-indexed layers [first, last] must not start on a reusing layer:
+    its source layer's indices live on another stage."""
+    if not computes_indices(first_layer, topk_freq, skip_offset):
+        src = index_source_layer(first_layer, topk_freq, skip_offset)
+        raise ValueError(
+            f"pipeline stage starting at layer {first_layer} would reuse the DSA indices of layer {src}, "
+            f"which is on an earlier stage (index_topk_freq={topk_freq}, index_skip_topk_offset={skip_offset}); "
+            f"move the stage boundary to a layer that computes indices "
+            f"(e.g. layer {src} or {src + topk_freq})"
+        )

@@ -1,0 +1,182 @@
+"""Lightning indexer: parity with HF transformers' GlmMoeDsaIndexer, THD, CP split, sharing, loss, bounds."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from glm5_dsa_plugin import indexer as ix
+
+
+def brute_topk(scores, topk):
+    """Stable full sort: score desc, ties by ascending index, -inf -> -1."""
+    vals, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    order = order[:, :topk].to(torch.int32)
+    order[vals[:, :topk] == float("-inf")] = -1
+    if topk > scores.shape[1]:
+        order = torch.nn.functional.pad(order, (0, topk - scores.shape[1]), value=-1)
+    return order
+
+
+@settings(max_examples=80, deadline=None)
+@given(T=st.integers(1, 40), topk=st.integers(1, 50), levels=st.sampled_from([1, 2, 3, 1000]),
+       scale=st.sampled_from([1e-30, 1.0, 1e30]), seed=st.integers(0, 2**31 - 1))
+def test_topk_bounds_ties_and_order(T, topk, levels, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, levels, (T, T), generator=gen).float() * scale  # many exact ties
+    vis = ix.Visibility.causal(T)
+    scores = scores.masked_fill(~vis.mask(), float("-inf"))
+    got = ix.deterministic_topk(scores, topk)
+    assert got.shape == (T, topk) and got.dtype == torch.int32
+    assert torch.equal(got, brute_topk(scores, topk))
+    ix.check_topk(got, vis)
+    n_valid = (got >= 0).sum(-1)
+    assert torch.equal(n_valid, torch.clamp(torch.arange(T) + 1, max=topk))
+    # valid slots first
+    first_pad = torch.where(got < 0, torch.arange(topk), topk).amin(-1)
+    assert torch.equal(first_pad, n_valid)
+
+
+def test_check_topk_rejects_bad_indices():
+    vis = ix.Visibility.causal(4)
+    with pytest.raises(RuntimeError, match="index 4"):
+        ix.check_topk(torch.tensor([[0, -1], [0, 1], [2, 1], [3, 4]], dtype=torch.int32), vis)
+    with pytest.raises(RuntimeError, match="invisible to row 1"):
+        ix.check_topk(torch.tensor([[0, -1], [2, 1], [2, 1], [3, 0]], dtype=torch.int32), vis)
+    with pytest.raises(RuntimeError, match="twice in row 2"):
+        ix.check_topk(torch.tensor([[0, -1], [0, 1], [1, 1], [3, 0]], dtype=torch.int32), vis)
+
+
+# --------------------------------------------------------------------------- HF parity
+def _hf_config(**kw):
+    from transformers import GlmMoeDsaConfig
+
+    base = dict(hidden_size=64, q_lora_rank=32, index_n_heads=4, index_head_dim=32, qk_rope_head_dim=16,
+                index_topk=8, num_hidden_layers=2, num_attention_heads=4, rope_parameters={"rope_theta": 10000.0,
+                                                                                          "rope_type": "default"})
+    base.update(kw)
+    return GlmMoeDsaConfig(**base)
+
+
+def _ours_from_hf(idxr, x, qr, positions, theta):
+    """Our functional indexer driven by the HF module's weights."""
+    Hi, Di, r = idxr.n_heads, idxr.head_dim, idxr.qk_rope_head_dim
+    T = x.shape[0]
+    cos, sin = ix.rope_cos_sin(positions, r, theta)
+    q = ix.apply_rope_first((qr @ idxr.wq_b.weight.T).view(T, Hi, Di), cos, sin)
+    k = torch.nn.functional.layer_norm(x @ idxr.wk.weight.T, (Di,), idxr.k_norm.weight, idxr.k_norm.bias, 1e-6)
+    k = ix.apply_rope_first(k[:, None, :], cos, sin)[:, 0]
+    w = (x @ idxr.weights_proj.weight.T) * Hi**-0.5
+    return q, k, w
+
+
+def test_matches_hf_indexer_scores_and_selection(monkeypatch):
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaRotaryEmbedding
+
+    torch.manual_seed(0)
+    cfg = _hf_config()
+    idxr = GlmMoeDsaIndexer(cfg, 0).float()
+    for p in idxr.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    T = 24
+    x, qr = torch.randn(1, T, 64), torch.randn(1, T, 32)
+    pos = torch.arange(T)[None]
+    rope = GlmMoeDsaRotaryEmbedding(cfg)
+    cos_sin = rope(x, pos)
+    captured = {}
+    real_topk = torch.Tensor.topk
+
+    def spy(self, *a, **k):
+        captured["scores"] = self.detach().clone()
+        return real_topk(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "topk", spy)
+    hf_idx = idxr(x, qr, cos_sin, None, pos)[0]
+    monkeypatch.setattr(torch.Tensor, "topk", real_topk)
+    hf_scores = captured["scores"][0]  # [T, T] with -inf above the diagonal
+
+    q, k, w = _ours_from_hf(idxr, x[0], qr[0], pos[0], cfg.rope_parameters["rope_theta"])
+    vis = ix.Visibility.causal(T)
+    ours = ix.index_scores(q, k, w).masked_fill(~vis.mask(), float("-inf"))
+    finite = torch.isfinite(hf_scores)
+    assert torch.equal(finite, torch.isfinite(ours))
+    torch.testing.assert_close(ours[finite], hf_scores[finite], rtol=1e-5, atol=1e-5)
+
+    our_idx = ix.select_topk(q, k, w, cfg.index_topk, vis)
+    for t in range(T):
+        mine = our_idx[t][our_idx[t] >= 0].long()
+        theirs = hf_idx[t].long()
+        theirs = theirs[theirs <= t]  # HF pads short rows with masked (future) keys
+        assert len(mine) == len(theirs) == min(t + 1, cfg.index_topk)
+        torch.testing.assert_close(torch.sort(ours[t, mine]).values, torch.sort(hf_scores[t, theirs]).values,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_thd_three_sequences_never_cross():
+    torch.manual_seed(1)
+    cu = torch.tensor([0, 5, 17, 30])
+    T, Hi, Di = 30, 3, 16
+    q, k, w = torch.randn(T, Hi, Di), torch.randn(T, Di), torch.randn(T, Hi)
+    vis = ix.Visibility.from_cu_seqlens(cu)
+    idx = ix.select_topk(q, k, w, 8, vis)
+    for s in range(3):
+        a, b = int(cu[s]), int(cu[s + 1])
+        sub = ix.select_topk(q[a:b], k[a:b], w[a:b], 8, ix.Visibility.causal(b - a))
+        expect = torch.where(sub >= 0, sub + a, sub)
+        assert torch.equal(idx[a:b], expect)
+    assert int((idx[:5] >= 0).sum(-1).max()) == 5  # short sequence padded with -1
+
+
+def test_context_parallel_split_agrees_with_full():
+    """megatron-core allgather CP layout, cp=2: rank r holds chunks r and 2*cp-1-r of each
+    sequence; its queries against the all-gathered keys (natural order) give the same indices."""
+    torch.manual_seed(2)
+    cu = torch.tensor([0, 16, 40])
+    T, Hi, Di, cp = 40, 2, 16, 2
+    q, k, w = torch.randn(T, Hi, Di), torch.randn(T, Di), torch.randn(T, Hi)
+    vis = ix.Visibility.from_cu_seqlens(cu)
+    full = ix.select_topk(q, k, w, 6, vis)
+    for rank in range(cp):
+        rows = []
+        for s in range(2):
+            a, b = int(cu[s]), int(cu[s + 1])
+            chunk = (b - a) // (2 * cp)
+            for c in (rank, 2 * cp - 1 - rank):
+                rows.append(torch.arange(a + c * chunk, a + (c + 1) * chunk))
+        rows = torch.cat(rows)
+        local = ix.select_topk(q[rows], k, w[rows], 6, vis.rows(rows))
+        assert torch.equal(local, full[rows])
+
+
+def test_index_sharing_pattern_matches_hf_and_guards_stage_starts():
+    cfg = _hf_config(num_hidden_layers=12, index_topk_freq=4, index_skip_topk_offset=3)
+    ours = ["full" if ix.computes_indices(i + 1, 4, 3) else "shared" for i in range(12)]
+    assert ours == cfg.indexer_types
+    assert [ix.index_source_layer(L, 4, 3) for L in range(1, 13)] == [1, 2, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11]
+    ix.check_stage_layers(7, 12, 4, 3)
+    with pytest.raises(ValueError, match="starting at layer 5 would reuse the DSA indices of layer 3"):
+        ix.check_stage_layers(5, 8, 4, 3)
+
+
+def test_indexer_loss_equals_megatron_core():
+    from megatron.core.transformer.experimental_attention_variant.dsa import compute_dsa_indexer_loss
+
+    torch.manual_seed(3)
+    T, H, D, K = 20, 4, 24, 6
+    q, kv = torch.randn(T, H, D), torch.randn(T, D)
+    iq, ik, iw = torch.randn(T, 2, 8), torch.randn(T, 8), torch.randn(T, 2)
+    vis = ix.Visibility.causal(T)
+    idx = ix.select_topk(iq, ik, iw, K, vis)
+    dense = ix.index_scores(iq, ik, iw).masked_fill(~vis.mask(), float("-inf"))
+    logits = dense.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, float("-inf"))
+    ours = ix.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001)
+    pg = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
+    theirs = compute_dsa_indexer_loss(dense[None].clone(), idx[None].long(), q[:, None], kv[:, None, None].expand(T, 1, H, D),
+                                      0.2, 0.001, True, pg)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-9)
+    # gradient flows to the indexer side only
+    logits.requires_grad_(True)
+    ix.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001).backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
