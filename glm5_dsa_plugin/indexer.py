@@ -173,13 +173,15 @@ def selected_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: 
 
 # --------------------------------------------------------------------------- loss
 def indexer_kl_loss(index_logits: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                    sm_scale: float, coeff: float, eps: float = 1e-10) -> torch.Tensor:
+                    sm_scale: float, coeff: float, eps: float = 1e-10, head_sum_reduce=None) -> torch.Tensor:
     """KL(target || indexer) over the selected slots, averaged over query rows, times ``coeff``.
 
     index_logits [T, K] (indexer scores at the slots, -inf at padding, differentiable);
     query [T, H, D] and kv [T_kv, D] the attention q / latent kv (detached here);
     target = normalise(sum_h softmax_h(sm_scale * q_h . kv[idx])) over valid slots.
-    Same value as megatron-core 0.19.2 ``compute_dsa_indexer_loss(..., sparse_loss=True)``."""
+    Same value as megatron-core 0.19.2 ``compute_dsa_indexer_loss(..., sparse_loss=True)``.
+    ``head_sum_reduce`` (e.g. a TP all-reduce) is applied to the head-summed target when the
+    heads are split over ranks."""
     valid = indices >= 0
     with torch.no_grad():
         kv_sel = kv[indices.clamp(min=0).long()].float()  # [T, K, D]
@@ -188,6 +190,8 @@ def indexer_kl_loss(index_logits: torch.Tensor, query: torch.Tensor, kv: torch.T
         has = valid.any(-1)[:, None, None]
         att = torch.where(has, torch.softmax(torch.where(has, att, torch.zeros_like(att)), dim=-1), torch.zeros_like(att))
         target = att.sum(1)
+        if head_sum_reduce is not None:
+            target = head_sum_reduce(target)
         target = target / target.sum(-1, keepdim=True).clamp_min(eps)
     logits = index_logits.masked_fill(~valid, torch.finfo(torch.float32).min)
     logits = torch.where(valid.any(-1, keepdim=True), logits, torch.zeros_like(logits))

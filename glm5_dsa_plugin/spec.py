@@ -1,0 +1,230 @@
+"""Layer-spec provider: ``--spec glm5_dsa_plugin.spec get_glm5_dsa_spec``.
+
+Two forms, one implementation:
+
+* slime / miles call ``get_glm5_dsa_spec(args, config, vp_stage)`` and get the decoder block
+  spec of that pipeline stage (``first_k_dense_replace`` dense layers, then MoE layers);
+  ``get_glm5_dsa_mtp_spec(args, config, vp_stage)`` gives the MTP block (same attention).
+* upstream Megatron-LM imports ``--spec glm5_dsa_plugin.spec glm5_dsa_layer_spec`` as an object
+  without calling it: that is a ``ModuleSpec`` of :class:`GLM5DSATransformerLayer`, which builds
+  the right submodules for its own (global) layer number from the config.
+
+``config.transformer_impl == "transformer_engine"`` selects TransformerEngine modules (imported
+lazily, with a clear error when absent); ``"local"`` selects ColumnParallelLinear /
+RowParallelLinear / torch norms. The core attention is always ours.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from . import indexer as ix
+from .attention import GLM5DSAIndexer, GLM5DSAIndexerSubmodules, GLM5DSAttention, GLM5DSAttentionSubmodules
+
+__all__ = ["get_glm5_dsa_spec", "get_glm5_dsa_mtp_spec", "glm5_dsa_layer_spec", "GLM5DSATransformerLayer",
+           "uses_transformer_engine"]
+
+
+class _LocalProvider(LocalSpecProvider):
+    """megatron-core's local provider plus the duplicated ``linear`` the DSA modules need."""
+
+    def linear(self):
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        return Linear
+
+
+def uses_transformer_engine(config) -> bool:
+    return getattr(config, "transformer_impl", "transformer_engine") == "transformer_engine"
+
+
+def _backend(config):
+    if not uses_transformer_engine(config):
+        return _LocalProvider()
+    try:
+        import transformer_engine  # noqa: F401
+
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    except ImportError as exc:
+        raise ImportError(
+            "glm5_dsa_plugin.spec: config.transformer_impl='transformer_engine' but TransformerEngine does not "
+            f"import ({exc}). Install TransformerEngine, or run the local path with --transformer-impl local."
+        ) from exc
+    return TESpecProvider()
+
+
+def _check_config(config) -> None:
+    missing = [f for f in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "q_lora_rank",
+                           "kv_lora_rank") if getattr(config, f, None) is None]
+    if missing:
+        raise ValueError(f"glm5_dsa_plugin.spec: config lacks {missing} (use an MLATransformerConfig with DSA "
+                         f"fields; glm5_dsa_plugin.cards builds one from a model card or an HF config)")
+    if not getattr(config, "multi_latent_attention", False):
+        raise ValueError("glm5_dsa_plugin.spec: GLM-5 DSA needs multi_latent_attention=True")
+
+
+def dsa_attention_spec(config, backend=None) -> ModuleSpec:
+    """AbsorbedMLASelfAttention whose core attention is :class:`GLM5DSAttention`."""
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+        AbsorbedMLASelfAttention,
+        AbsorbedMLASelfAttentionSubmodules,
+    )
+
+    backend = backend or _backend(config)
+    rms = config.normalization == "RMSNorm"
+    qk_norm = backend.layer_norm(rms_norm=rms, for_qk=True) if config.qk_layernorm else IdentityOp
+    local = isinstance(backend, LocalSpecProvider)
+    down = backend.column_parallel_linear() if local else backend.linear()
+    core = ModuleSpec(
+        module=GLM5DSAttention,
+        submodules=GLM5DSAttentionSubmodules(
+            indexer=ModuleSpec(
+                module=GLM5DSAIndexer,
+                submodules=GLM5DSAIndexerSubmodules(
+                    linear_wq_b=backend.linear(),
+                    linear_wk=backend.linear(),
+                    k_norm=None if local else backend.layer_norm(rms_norm=False, for_qk=True),
+                    linear_weights_proj=backend.linear(),
+                ),
+            )
+        ),
+    )
+    return ModuleSpec(
+        module=AbsorbedMLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=AbsorbedMLASelfAttentionSubmodules(
+            linear_q_proj=backend.column_parallel_linear(),
+            linear_q_down_proj=down,
+            linear_q_up_proj=backend.column_parallel_linear(),
+            linear_kv_down_proj=down,
+            linear_kv_up_proj=backend.column_parallel_linear(),
+            core_attention=core,
+            linear_proj=backend.row_parallel_linear(),
+            q_layernorm=qk_norm,
+            kv_layernorm=qk_norm,
+        ),
+    )
+
+
+def _moe_pattern(config) -> list[int]:
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_moe_layer_pattern
+
+    if config.num_moe_experts is None:
+        return [0] * config.num_layers
+    return get_moe_layer_pattern(config)
+
+
+def layer_submodules(config, is_moe: bool, backend=None) -> TransformerLayerSubmodules:
+    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+    from megatron.core.transformer.torch_norm import L2Norm  # noqa: F401  (import check of the local stack)
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    backend = backend or _backend(config)
+    rms = config.normalization == "RMSNorm"
+    if is_moe:
+        mlp = get_moe_module_spec_for_backend(backend=backend, num_experts=config.num_moe_experts,
+                                              moe_grouped_gemm=config.moe_grouped_gemm)
+    else:
+        mlp = get_mlp_module_spec_for_backend(backend=backend, num_experts=None)
+    return TransformerLayerSubmodules(
+        input_layernorm=backend.layer_norm(rms_norm=rms, for_qk=False),
+        self_attention=dsa_attention_spec(config, backend),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=backend.layer_norm(rms_norm=rms, for_qk=False),
+        mlp=mlp,
+        mlp_bda=get_bias_dropout_add,
+    )
+
+
+def _stage_layer_ids(config, vp_stage, pp_rank=None) -> list[int]:
+    if getattr(config, "pipeline_model_parallel_layout", None) is not None:
+        from megatron.core.transformer.enums import LayerType
+
+        return list(config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank))
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return list(range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)))
+
+
+def check_index_sharing_split(config, layer_ids: list[int]) -> None:
+    """The first layer of a stage must compute its own DSA indices (clear error otherwise)."""
+    if layer_ids:
+        ix.check_stage_layers(layer_ids[0] + 1, layer_ids[-1] + 1, config.dsa_indexer_topk_freq or 1,
+                              config.dsa_indexer_skip_topk_offset or 0)
+
+
+def get_glm5_dsa_spec(args, config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+                      ) -> TransformerBlockSubmodules:
+    """Decoder block spec of this pipeline stage (slime / miles ``--spec`` contract).
+
+    ``args`` is accepted for the contract and unused: everything comes from ``config``."""
+    _check_config(config)
+    backend = _backend(config)
+    pattern = _moe_pattern(config)
+    layer_ids = _stage_layer_ids(config, vp_stage, pp_rank)
+    check_index_sharing_split(config, layer_ids)
+    specs = {m: ModuleSpec(module=TransformerLayer, submodules=layer_submodules(config, bool(m), backend))
+             for m in set(pattern[i] for i in layer_ids)}
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[pattern[i]] for i in layer_ids],
+        layer_norm=backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False),
+    )
+
+
+def get_glm5_dsa_mtp_spec(args, config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """MTP block spec (``mtp_num_layers``); its transformer layer is the last decoder layer's spec
+    (MoE + our DSA attention). None when this stage builds no MTP layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    _check_config(config)
+    last_is_moe = bool(_moe_pattern(config)[-1])
+    layer = ModuleSpec(module=TransformerLayer, submodules=layer_submodules(config, last_is_moe))
+    return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=uses_transformer_engine(config),
+                                  vp_stage=vp_stage, pp_rank=pp_rank)
+
+
+class GLM5DSATransformerLayer(TransformerLayer):
+    """A TransformerLayer that picks its own submodules (dense or MoE MLP, our DSA attention) from
+    the config and its global layer number: the object form for upstream Megatron-LM's ``--spec``."""
+
+    def __init__(self, config, submodules=None, layer_number: int = 1, hidden_dropout=None, pg_collection=None,
+                 vp_stage=None, is_mtp_layer: bool = False, add_layer_offset: bool = True, pp_layer_offset=None,
+                 name=None):
+        _check_config(config)
+        if is_mtp_layer or not add_layer_offset:
+            global_number = layer_number
+        else:
+            from megatron.core.utils import get_pg_rank
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pgc = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+            global_number = layer_number + get_transformer_layer_offset(config, vp_stage, get_pg_rank(pgc.pp))
+        pattern = _moe_pattern(config)
+        is_moe = bool(pattern[-1] if is_mtp_layer else pattern[global_number - 1])
+        if layer_number == 1 and not is_mtp_layer:
+            ix.check_stage_layers(global_number, global_number, config.dsa_indexer_topk_freq or 1,
+                                  config.dsa_indexer_skip_topk_offset or 0)
+        super().__init__(config, layer_submodules(config, is_moe), layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, pg_collection=pg_collection, vp_stage=vp_stage,
+                         is_mtp_layer=is_mtp_layer, add_layer_offset=add_layer_offset,
+                         pp_layer_offset=pp_layer_offset, name=name)
+
+
+glm5_dsa_layer_spec = ModuleSpec(module=GLM5DSATransformerLayer)
