@@ -32,7 +32,7 @@ def available_cards() -> list[str]:
 def load_card(name_or_path: str) -> dict:
     """A card by name (``glm5``, ``glm5.2``, ``tiny``, a file stem) or path."""
     p = Path(name_or_path)
-    if not p.suffix:
+    if name_or_path in CARD_ALIASES or not p.suffix:
         p = CARDS_DIR / f"{CARD_ALIASES.get(name_or_path, name_or_path)}.json"
     if not p.exists():
         raise FileNotFoundError(f"no model card {name_or_path!r}; available: {available_cards()}")
