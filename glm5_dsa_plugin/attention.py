@@ -175,9 +175,8 @@ class GLM5DSAttention(MegatronModule):
         if packed:
             if b != 1:
                 raise ValueError(f"packed THD input must have batch 1, got {b}")
-            cu = packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None \
-                else packed_seq_params.cu_seqlens_q
-            vis = ix.Visibility.from_cu_seqlens(cu, device=query.device)
+            vis = ix.Visibility.from_cu_seqlens(packed_seq_params.cu_seqlens_q, device=query.device,
+                                                cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded)
             if int(vis.query_seq.shape[0]) != s:
                 raise ValueError(f"cu_seqlens covers {vis.query_seq.shape[0]} tokens, query has {s}")
         else:

@@ -59,16 +59,34 @@ class Visibility:
     key_pos: torch.Tensor
 
     @staticmethod
-    def from_cu_seqlens(cu_seqlens: torch.Tensor, device=None) -> "Visibility":
-        """cu_seqlens [n_seq + 1] (megatron-core PackedSeqParams) -> self-attention visibility."""
-        cu = cu_seqlens.to(device=device or cu_seqlens.device, dtype=torch.int64)
-        total = int(cu[-1])
+    def from_cu_seqlens(cu_seqlens: torch.Tensor, device=None, cu_seqlens_padded: torch.Tensor | None = None
+                        ) -> "Visibility":
+        """cu_seqlens [n_seq + 1] (megatron-core PackedSeqParams) -> self-attention visibility.
+
+        With ``cu_seqlens_padded`` the packed layout is the padded one: sequence i occupies
+        [padded[i], padded[i + 1]) and its real tokens are the first cu_seqlens[i+1] - cu_seqlens[i];
+        pad tokens see no key and no query sees them (their top-k rows are all padding)."""
+        dev = device or cu_seqlens.device
+        cu = cu_seqlens.to(device=dev, dtype=torch.int64)
         lengths = cu[1:] - cu[:-1]
         if (lengths < 0).any():
             raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
-        seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
-        pos = torch.arange(total, device=cu.device) - cu[:-1][seq]
-        return Visibility(seq, pos, seq, pos)
+        if cu_seqlens_padded is None:
+            total = int(cu[-1])
+            seq = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)
+            pos = torch.arange(total, device=dev) - cu[:-1][seq]
+            return Visibility(seq, pos, seq, pos)
+        cp = cu_seqlens_padded.to(device=dev, dtype=torch.int64)
+        plen = cp[1:] - cp[:-1]
+        if cp.shape != cu.shape or (plen < lengths).any():
+            raise ValueError(f"cu_seqlens_padded {cp.tolist()} does not hold cu_seqlens {cu.tolist()}")
+        total = int(cp[-1])
+        seq = torch.repeat_interleave(torch.arange(len(plen), device=dev), plen)
+        pos = torch.arange(total, device=dev) - cp[:-1][seq]
+        real = pos < lengths[seq]
+        q_seq = torch.where(real, seq, torch.full_like(seq, -1))
+        k_seq = torch.where(real, seq, torch.full_like(seq, -2))
+        return Visibility(q_seq, pos, k_seq, pos)
 
     @staticmethod
     def causal(T: int, device=None) -> "Visibility":

@@ -8,6 +8,7 @@ runs, ``transformer_engine`` / ``transformer_engine.pytorch`` resolve to placeho
 are removed from ``sys.modules`` again right after, so every other ``try: import
 transformer_engine`` still sees TE as missing. Any use of a placeholder symbol (call,
 instantiation, isinstance check) raises :class:`TransformerEngineUnavailable`.
+:func:`correct_bridge_peft_flags` fixes the one TE flag Megatron-Bridge computes wrongly without TE.
 """
 
 from __future__ import annotations
@@ -122,3 +123,15 @@ def install() -> bool:
 
 def active() -> bool:
     return _FINDER in sys.meta_path
+
+
+def correct_bridge_peft_flags() -> None:
+    """Without TE, megatron-core exposes its TE wrapper classes as ``MagicMock`` placeholders and
+    Megatron-Bridge 0.6.2's ``safe_import_from`` reports them as found, so ``peft.utils.HAVE_TE``
+    is wrongly True and LoRA's ``isinstance`` checks fail on a local model. Set it to the truth
+    (no-op when TE is installed)."""
+    if te_available():
+        return
+    import megatron.bridge.peft.utils as peft_utils
+
+    peft_utils.HAVE_TE = False

@@ -1,0 +1,184 @@
+"""The three jobs (LoRA, PPO, MTP) on the shared launcher core; ``scripts/train_*.py`` call these."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import launcher as core
+
+MLA_LORA_TARGETS = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                    "linear_proj"]
+INDEXER_LORA_TARGETS = ["linear_wq_b", "linear_wk", "linear_weights_proj"]
+
+
+# --------------------------------------------------------------------------- LoRA
+def apply_lora(model, dim: int = 8, alpha: int = 16, include_indexer: bool = False):
+    """Megatron-Bridge PEFT LoRA on the MLA projections (indexer excluded unless asked)."""
+    from . import te_compat
+
+    te_compat.install()  # Megatron-Bridge's lora_layers imports TransformerEngine unconditionally
+    from megatron.bridge.peft.lora import LoRA
+
+    te_compat.correct_bridge_peft_flags()
+
+    targets = MLA_LORA_TARGETS + (INDEXER_LORA_TARGETS if include_indexer else [])
+    lora = LoRA(target_modules=targets, dim=dim, alpha=alpha)
+    model = lora(model, training=True)
+    return lora, model
+
+
+def adapter_state(model) -> dict:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if ".adapter." in k and v is not None}
+
+
+def merge_lora(model) -> int:
+    """Fold every LoRA adapter into its base weight and unwrap it; returns how many were merged."""
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    merged = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoRALinear):
+                with torch.no_grad():
+                    child.to_wrap.weight.copy_(child.weight)
+                setattr(parent, name, child.to_wrap)
+                merged += 1
+    return merged
+
+
+def lora_main(argv=None) -> int:
+    ap = core.base_parser("LoRA fine-tuning (Megatron-Bridge PEFT) of GLM-5 DSA")
+    ap.add_argument("--lora-dim", type=int, default=8)
+    ap.add_argument("--lora-alpha", type=int, default=16)
+    ap.add_argument("--lora-indexer", action="store_true", help="also adapt the indexer projections")
+    ap.add_argument("--load-adapters", default=None, help="adapters.pt to start from")
+    ap.add_argument("--merge-to", default=None, help="write the merged (base + LoRA) model state here")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        return core.run_dry(args)
+    core.init_parallel(args)
+    card = core.load_card_from_args(args)
+    config = core.model_config(args, card, mtp_num_layers=None)
+    model = core.build_model(args, card, config)
+    _, model = apply_lora(model, args.lora_dim, args.lora_alpha, args.lora_indexer)
+    model.to(args.device)
+    if args.load_adapters:
+        missing, unexpected = model.load_state_dict(torch.load(args.load_adapters), strict=False)
+        if unexpected:
+            raise RuntimeError(f"adapters do not fit: {unexpected[:5]}")
+    core.train(args, model, card, core.lm_step(args, model, card))
+    if args.save:
+        torch.save(adapter_state(model), Path(args.save) / "adapters.pt")
+    if args.merge_to:
+        n = merge_lora(model)
+        Path(args.merge_to).mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), Path(args.merge_to) / "merged.pt")
+        print(f"merged {n} LoRA adapters into {args.merge_to}/merged.pt")
+    return 0
+
+
+# --------------------------------------------------------------------------- PPO
+def make_rollouts(card: dict, n_seqs: int = 6, seed: int = 0, pad_to: int = 8) -> dict:
+    """A small packed-THD rollout batch: prompts + responses, padded per sequence to ``pad_to``.
+
+    Pad tokens belong to no sequence: their DSA top-k is all padding (the shape behind the
+    reported NaN gradients in GLM-5.2 RL runs)."""
+    g = torch.Generator().manual_seed(seed)
+    V = card["vocab_size"]
+    toks, lens, plens, padded = [], [], [], [0]
+    for _ in range(n_seqs):
+        p, r = int(torch.randint(3, 9, (1,), generator=g)), int(torch.randint(2, 10, (1,), generator=g))
+        seq = torch.randint(0, V, (p + r,), generator=g)
+        pad = (-(p + r)) % pad_to
+        toks.append(torch.cat([seq, torch.zeros(pad, dtype=torch.long)]))
+        lens.append(p + r)
+        plens.append(p)
+        padded.append(padded[-1] + p + r + pad)
+    tokens = torch.cat(toks)
+    T = tokens.numel()
+    labels = torch.zeros(T, dtype=torch.long)
+    mask = torch.zeros(T)
+    positions = torch.zeros(T, dtype=torch.long)
+    for i in range(n_seqs):
+        a, n, p = padded[i], lens[i], plens[i]
+        labels[a : a + n - 1] = tokens[a + 1 : a + n]
+        mask[a + p - 1 : a + n - 1] = 1.0  # predictions of response tokens
+        positions[a : a + n] = torch.arange(n)
+    cu_padded = torch.tensor(padded, dtype=torch.int32)
+    return dict(tokens=tokens, labels=labels, positions=positions, loss_mask=mask, cu_seqlens_padded=cu_padded,
+                seq_lens=torch.tensor(lens, dtype=torch.int32),
+                old_logprobs=-torch.rand(T, generator=g) * 3 - 2.0, ref_logprobs=-torch.rand(T, generator=g) * 3 - 2.0,
+                advantages=torch.randn(T, generator=g))
+
+
+def packed_params(roll: dict, device):
+    """megatron-core PackedSeqParams: real lengths in cu_seqlens_q, padded layout in cu_seqlens_q_padded."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lens = roll["seq_lens"].to(torch.int64)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+    cu_pad = roll["cu_seqlens_padded"]
+    mx = int((cu_pad[1:] - cu_pad[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
+                           cu_seqlens_q_padded=cu_pad.to(device), cu_seqlens_kv_padded=cu_pad.to(device),
+                           max_seqlen_q=mx, max_seqlen_kv=mx)
+
+
+def token_logprobs(model, roll: dict, device) -> torch.Tensor:
+    """log p(label_t | tokens_<=t) for every packed position, through the model (our attention)."""
+    tok = roll["tokens"][None].to(device)
+    logits = model(tok, roll["positions"][None].to(device), None, packed_seq_params=packed_params(roll, device))
+    logp = torch.log_softmax(logits.float(), dim=-1)[0]
+    return logp.gather(-1, roll["labels"].to(device)[:, None])[:, 0]
+
+
+def ppo_loss(logp, roll: dict, clip: float = 0.2, kl_coef: float = 0.0) -> torch.Tensor:
+    dev = logp.device
+    mask, adv = roll["loss_mask"].to(dev), roll["advantages"].to(dev)
+    ratio = torch.exp(logp - roll["old_logprobs"].to(dev))
+    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    if kl_coef:
+        d = roll["ref_logprobs"].to(dev) - logp
+        pg = pg + kl_coef * (torch.exp(d) - d - 1)  # k3 estimator of KL(pi || ref)
+    return (pg * mask).sum() / mask.sum().clamp_min(1)
+
+
+def ppo_main(argv=None) -> int:
+    ap = core.base_parser("PPO update of GLM-5 DSA over packed rollout batches")
+    ap.add_argument("--rollouts", default=None, help="rollout batch (.pt from make_rollouts); default: generated")
+    ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument("--kl-coef", type=float, default=0.01)
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        return core.run_dry(args)
+    core.init_parallel(args)
+    card = core.load_card_from_args(args)
+    config = core.model_config(args, card, mtp_num_layers=None)
+    model = core.build_model(args, card, config)
+    roll = torch.load(args.rollouts) if args.rollouts else make_rollouts(card, seed=args.seed)
+
+    def step(i: int) -> core.StepResult:
+        logp = token_logprobs(model, roll, args.device)
+        loss = ppo_loss(logp, roll, args.clip, args.kl_coef)
+        loss.backward()
+        return core.StepResult(float(loss), 0.0, int(roll["seq_lens"].sum()))
+
+    core.train(args, model, card, step)
+    return 0
+
+
+# --------------------------------------------------------------------------- MTP
+def mtp_main(argv=None) -> int:
+    ap = core.base_parser("GLM-5 DSA training with one MTP layer (mtp_num_layers=1)")
+    ap.add_argument("--mtp-loss-scale", type=float, default=0.3)
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        return core.run_dry(args)
+    core.init_parallel(args)
+    card = core.load_card_from_args(args)
+    config = core.model_config(args, card, mtp_num_layers=1, mtp_loss_scaling_factor=args.mtp_loss_scale)
+    model = core.build_model(args, card, config, mtp=True)
+    core.train(args, model, card, core.lm_step(args, model, card, with_mtp=True))
+    return 0

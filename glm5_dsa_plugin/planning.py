@@ -1,0 +1,171 @@
+"""``--dry-run``: plan a real GLM-5 run (TP/PP/EP/CP) on the meta device, without allocating.
+
+Each distinct layer kind of the card (dense or MoE MLP, computing or reusing DSA indices, the MTP
+layer) is built once through our spec on the ``meta`` device at TP = EP = 1; its parameters are
+then divided per rank by how megatron-core shards them (column/row-parallel weights over TP,
+routed experts over EP, everything else replicated). Pipeline stages are the most balanced split
+whose every stage starts on a layer that computes its own indices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import cards
+from . import indexer as ix
+
+GIB = 1024**3
+
+
+@dataclass
+class Stage:
+    index: int
+    first: int  # 1-indexed, inclusive
+    last: int
+    layer_kinds: list[str] = field(default_factory=list)
+    params_per_rank: int = 0
+    attn_act_bytes: int = 0
+    has_mtp: bool = False
+
+
+def balanced_split(n_layers: int, pp: int, freq: int, offset: int) -> list[tuple[int, int]]:
+    """Stages (first, last), 1-indexed, minimising the largest stage; every first layer computes indices."""
+    if pp > n_layers:
+        raise ValueError(f"pp={pp} > {n_layers} layers")
+    ok = [computes for computes in (ix.computes_indices(L, freq, offset) for L in range(1, n_layers + 2))]
+    INF = math.inf
+    # best[k][i]: minimal max stage length splitting layers [1, i] into k stages
+    best = [[INF] * (n_layers + 1) for _ in range(pp + 1)]
+    cut = [[-1] * (n_layers + 1) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for k in range(1, pp + 1):
+        for i in range(1, n_layers + 1):
+            for j in range(k - 1, i):  # stage k covers layers j+1 .. i
+                if not ok[j] or best[k - 1][j] is INF:
+                    continue
+                v = max(best[k - 1][j], i - j)
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    if best[pp][n_layers] is INF:
+        raise ValueError(f"no split of {n_layers} layers into {pp} stages starts every stage on a computing layer")
+    out, i = [], n_layers
+    for k in range(pp, 0, -1):
+        j = cut[k][i]
+        out.append((j + 1, i))
+        i = j
+    return out[::-1]
+
+
+def _per_rank_params(module: torch.nn.Module, tp: int, ep: int) -> int:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    total = 0
+    for name, m in module.named_modules():
+        own = sum(p.numel() for p in m.parameters(recurse=False))
+        if own == 0:
+            continue
+        if ".experts." in f".{name}." and ".shared_experts" not in name:
+            total += own // ep
+        elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            total += own // tp
+        else:
+            total += own
+    return total
+
+
+def _layer_params(config, is_moe: bool, computes: bool, tp: int, ep: int) -> int:
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from .spec import layer_submodules
+
+    spec = ModuleSpec(module=TransformerLayer, submodules=layer_submodules(config, is_moe))
+    # layer_number 1 computes; with freq > 1 the first reusing layer is offset + 1
+    freq, off = config.dsa_indexer_topk_freq or 1, config.dsa_indexer_skip_topk_offset or 0
+    number = 1 if computes else next(L for L in range(1, config.num_layers + 1)
+                                      if not ix.computes_indices(L, freq, off))
+    with torch.device("meta"):
+        layer = build_module(spec, config=config, layer_number=number, add_layer_offset=False)
+    return _per_rank_params(layer, tp, ep)
+
+
+def attention_activation_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool) -> int:
+    """Bytes one DSA layer keeps for backward per micro batch (bf16 activations, fp32 lse, int32 indices)."""
+    H = card["num_attention_heads"] // tp
+    S_loc = seq // cp
+    dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
+    b = S_loc * H * dq * 2  # absorbed q
+    b += seq * dq * 2  # latent kv, all-gathered over CP
+    b += S_loc * H * card["kv_lora_rank"] * 2 + S_loc * H * 4  # out + lse
+    b += S_loc * card["index_topk"] * 4  # indices
+    if computes:
+        b += S_loc * card["index_n_heads"] * card["index_head_dim"] * 2 + seq * card["index_head_dim"] * 2
+        b += S_loc * card["index_n_heads"] * 4
+    return b
+
+
+def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int) -> tuple[list[Stage], dict]:
+    from .launcher import model_config  # noqa: F401  (keeps one config path)
+
+    n = card["num_hidden_layers"]
+    k = card.get("first_k_dense_replace", 0)
+    freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
+    if card["num_attention_heads"] % tp or card["n_routed_experts"] % ep or seq % cp:
+        raise ValueError(f"layout does not divide the model: heads {card['num_attention_heads']} / tp {tp}, "
+                         f"experts {card['n_routed_experts']} / ep {ep}, seq {seq} / cp {cp}")
+    config = cards.card_to_transformer_config(card, moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
+                                              transformer_impl="local", mtp_num_layers=None)
+    kinds = {}
+    for is_moe in (False, True):
+        for computes in (True, False):
+            if (not is_moe and k == 0) or (is_moe and k >= n):
+                continue
+            if not computes and freq == 1:
+                continue
+            kinds[(is_moe, computes)] = _layer_params(config, is_moe, computes, tp, ep)
+    V, Hd = card["vocab_size"], card["hidden_size"]
+    embed = V * Hd // tp
+    stages = []
+    for s, (a, b) in enumerate(balanced_split(n, pp, freq, off)):
+        st = Stage(s, a, b)
+        for L in range(a, b + 1):
+            is_moe, comp = L > k, ix.computes_indices(L, freq, off)
+            st.layer_kinds.append(("moe" if is_moe else "dense") + ("" if comp else "+reuse"))
+            st.params_per_rank += kinds[(is_moe, comp)]
+            st.attn_act_bytes += attention_activation_bytes(card, tp, cp, seq, comp) * (pp - s)  # 1F1B in flight
+        if s == 0:
+            st.params_per_rank += embed
+        if s == pp - 1:
+            st.params_per_rank += embed + Hd  # output layer + final norm
+            if card.get("num_nextn_predict_layers"):
+                st.has_mtp = True
+                st.params_per_rank += kinds[(True, True)] + 2 * Hd * Hd // 1 + 3 * Hd
+        stages.append(st)
+    info = dict(layer_params_per_rank={f"{'moe' if m else 'dense'}{'' if c else '+reuse'}": v
+                                       for (m, c), v in kinds.items()}, embedding_per_rank=embed)
+    return stages, info
+
+
+def plan_and_print(args, card: dict) -> int:
+    stages, info = plan(card, args.tp, args.pp, args.ep, args.cp, args.micro_batch_seq)
+    name = card.get("_card", {}).get("name", "card")
+    freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
+    print(f"dry run: {name}  TP{args.tp} PP{args.pp} EP{args.ep} CP{args.cp}  micro batch {args.micro_batch_seq} tokens  "
+          f"(index_topk_freq={freq}, index_skip_topk_offset={off}); built on the meta device, nothing allocated")
+    print(f"per-rank parameters of one layer: {info['layer_params_per_rank']}")
+    print(f"{'stage':>5} {'layers':>9} {'dense':>5} {'moe':>4} {'params/rank':>14} {'attn act GiB':>12}  indices")
+    total = 0
+    for st in stages:
+        comp = [L for L in range(st.first, st.last + 1) if ix.computes_indices(L, freq, off)]
+        reuse = [f"{L}<-{ix.index_source_layer(L, freq, off)}" for L in range(st.first, st.last + 1)
+                 if not ix.computes_indices(L, freq, off)]
+        n_dense = sum(x.startswith("dense") for x in st.layer_kinds)
+        total += st.params_per_rank
+        print(f"{st.index:>5} {st.first:>4}-{st.last:<4} {n_dense:>5} {len(st.layer_kinds) - n_dense:>4} "
+              f"{st.params_per_rank / 1e9:>12.3f} B {st.attn_act_bytes / GIB:>12.2f}  compute {comp}"
+              + (f" reuse {reuse}" if reuse else "") + (" +MTP" if st.has_mtp else ""))
+    print(f"sum over one rank per stage: {total / 1e9:.2f} B parameters")
+    return 0

@@ -1,0 +1,12 @@
+#!/usr/bin/env python
+"""Language-model training with one MTP layer (mtp_num_layers=1); the MTP block uses our attention.
+
+    python scripts/train_mtp.py --card tiny --steps 5
+"""
+
+import sys
+
+from glm5_dsa_plugin import jobs
+
+if __name__ == "__main__":
+    sys.exit(jobs.mtp_main())
