@@ -99,10 +99,15 @@ def init_parallel(args) -> None:
     if args.device == "cpu" and not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"  # megatron-core RotaryEmbedding asks CUDA for a device
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
-                                rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if world > 1:  # torchrun
+            dist.init_process_group(backend)
+        else:  # one process: a file rendezvous needs no free port
+            import tempfile
+
+            store = tempfile.NamedTemporaryFile(prefix="glm5_dsa_pg_", delete=False).name
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
     if args.device == "cuda":

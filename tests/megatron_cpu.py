@@ -3,8 +3,6 @@
 megatron-core 0.19.2 calls torch.cuda.current_device() while building RotaryEmbedding (and the
 DSA loss tracker); on a machine without a GPU we point it at "cpu". Nothing else is patched."""
 
-import os
-
 import pytest
 import torch
 
@@ -17,9 +15,10 @@ def megatron_single_process():
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"  # see module docstring
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        import tempfile
+
+        store = tempfile.NamedTemporaryFile(prefix="glm5_dsa_test_pg_", delete=False).name
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
     yield

@@ -1,0 +1,129 @@
+"""LoRA / PPO / MTP launchers on the shared core (CPU, tiny card, reference backend)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from glm5_dsa_plugin import jobs, launcher
+from glm5_dsa_plugin.attention import GLM5DSAttention
+from megatron_cpu import megatron_single_process  # noqa: F401
+
+COMMON = ["--card", "tiny", "--backend", "reference", "--device", "cpu", "--seq-len", "24", "--batch-size", "2"]
+MAINS = {"lora": jobs.lora_main, "ppo": jobs.ppo_main, "mtp": jobs.mtp_main}
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+@pytest.mark.parametrize("job", ["lora", "ppo", "mtp"])
+def test_job_runs_and_resumes_exactly(job, tmp_path, megatron_single_process):
+    extra = ["--rollouts", "tests/fixtures/rollouts_tiny.pt"] if job == "ppo" else []
+    run = lambda *a: MAINS[job](COMMON + extra + list(a))  # noqa: E731
+    assert run("--steps", "3", "--log-json", str(tmp_path / "full.jsonl")) == 0
+    assert run("--steps", "2", "--save", str(tmp_path / "ck"), "--log-json", str(tmp_path / "a.jsonl")) == 0
+    assert run("--steps", "1", "--load", str(tmp_path / "ck"), "--log-json", str(tmp_path / "b.jsonl")) == 0
+    full, a, b = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
+    assert all(torch.isfinite(torch.tensor(full)))
+    assert a == full[:2]
+    assert b[0] == pytest.approx(full[2], rel=1e-6, abs=1e-7)  # resume gives the same next-step loss
+
+
+def test_lora_adapters_save_load_merge(tmp_path, megatron_single_process):
+    assert jobs.lora_main(COMMON + ["--steps", "2", "--save", str(tmp_path / "ck")]) == 0
+    adapters = torch.load(tmp_path / "ck" / "adapters.pt")
+    assert adapters and all(".adapter." in k for k in adapters)
+    assert not any("indexer" in k for k in adapters)  # indexer excluded by default
+    targets = {k.split(".self_attention.")[1].split(".adapter")[0] for k in adapters}
+    assert targets == set(jobs.MLA_LORA_TARGETS)
+
+    args = launcher.base_parser("t").parse_args(COMMON)
+    card = launcher.load_card_from_args(args)
+    cfg = launcher.model_config(args, card, mtp_num_layers=None)
+    model = launcher.build_model(args, card, cfg)
+    _, model = jobs.apply_lora(model)
+    missing, unexpected = model.load_state_dict(adapters, strict=False)
+    assert not unexpected
+    tok = torch.randint(0, card["vocab_size"], (1, 16))
+    pos = torch.arange(16)[None]
+    model.eval()
+    with torch.no_grad():
+        with_adapters = model(tok, pos, None)
+        assert jobs.merge_lora(model) == 20
+        merged = model(tok, pos, None)
+    torch.testing.assert_close(merged, with_adapters, rtol=1e-5, atol=1e-5)
+    # adapters changed the model (so merging had something to merge)
+    base = launcher.build_model(args, card, cfg).eval()
+    with torch.no_grad():
+        assert not torch.allclose(base(tok, pos, None), merged)
+
+
+def test_three_launchers_share_attention_and_kernel_entry(monkeypatch, megatron_single_process):
+    import glm5_dsa_plugin.attention as att
+
+    calls = {}
+    real = att.sparse_mla
+    current = {"job": None}
+
+    def counting(*a, **k):
+        calls[current["job"]] = calls.get(current["job"], 0) + 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(att, "sparse_mla", counting)
+    built = {}
+    real_build = launcher.build_model
+
+    def spy_build(*a, **k):
+        m = real_build(*a, **k)
+        built[current["job"]] = launcher.attention_classes(m)
+        return m
+
+    monkeypatch.setattr(launcher, "build_model", spy_build)
+    for job in ("lora", "ppo", "mtp"):
+        current["job"] = job
+        assert MAINS[job](COMMON + ["--steps", "1"]) == 0
+    assert built == {"lora": {GLM5DSAttention}, "ppo": {GLM5DSAttention}, "mtp": {GLM5DSAttention}}
+    assert all(calls[j] > 0 for j in MAINS)
+
+
+def test_ppo_fixture_has_all_padding_rows_with_exact_zero_gradients(megatron_single_process):
+    from glm5_dsa_plugin import indexer as ix
+
+    roll = torch.load("tests/fixtures/rollouts_tiny.pt")
+    psp = jobs.packed_params(roll, "cpu")
+    vis = ix.Visibility.from_cu_seqlens(psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded)
+    pad_rows = ~vis.mask().any(-1)
+    assert pad_rows.sum() >= 10  # pad tokens: their top-k is all -1
+    idx = ix.select_topk(torch.randn(88, 2, 8), torch.randn(88, 8), torch.randn(88, 2), 8, vis)
+    assert torch.all(idx[pad_rows] == -1)
+    args = launcher.base_parser("t").parse_args(COMMON)
+    card = launcher.load_card_from_args(args)
+    model = launcher.build_model(args, card, launcher.model_config(args, card, mtp_num_layers=None))
+    logp = jobs.token_logprobs(model, roll, "cpu")
+    loss = jobs.ppo_loss(logp, roll, kl_coef=0.01)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_help_shows_the_spec_line():
+    for script in ("train_lora.py", "train_ppo.py", "train_mtp.py"):
+        out = subprocess.run([sys.executable, f"scripts/{script}", "--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and "--spec glm5_dsa_plugin.spec get_glm5_dsa_spec" in out.stdout
+
+
+def test_dry_run_glm52_reported_layout():
+    out = subprocess.run([sys.executable, "scripts/train_lora.py", "--card", "glm5.2", "--dry-run", "--tp", "4", "--pp",
+                          "8", "--ep", "16", "--cp", "4"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 8
+    firsts = [int(r[1].split("-")[0]) for r in rows]
+    from glm5_dsa_plugin.indexer import computes_indices
+
+    assert all(computes_indices(f, 4, 3) for f in firsts) and rows[-1][-1] == "+MTP"
+    assert int(rows[-1][1].split("-")[1]) == 78
+    assert "nothing allocated" in out.stdout
