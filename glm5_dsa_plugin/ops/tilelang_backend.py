@@ -93,8 +93,12 @@ class TileLangBackend:
 
     name = "tilelang"
 
-    def __init__(self, safe: bool = True):
+    def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
+                 fwd_block_16: int = 64):
         self.safe = safe
+        self.fwd_min_heads = fwd_min_heads
+        # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
+        self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
 
     def available(self) -> tuple[bool, str]:
         ok, reason = _import_status()
@@ -128,11 +132,14 @@ class TileLangBackend:
         from .tilelang_kernels import BLOCK_TOPK, sparse_mla_fwd_kernel
 
         self._check(q, kv, d_v)
-        G, hg, hg_pad = self._geometry(q, kv, FWD_MIN_HEADS)
+        G, hg, hg_pad = self._geometry(q, kv, self.fwd_min_heads)
         qp = _pad_heads(q, G, hg, hg_pad)
-        idx = _pad_topk(indices, BLOCK_TOPK)
+        small = hg_pad == 16
+        block = self.fwd_block_16 if small else BLOCK_TOPK
+        idx = _pad_topk(indices, block)
         B, T, Hp, Dqk = qp.shape
-        kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
+        kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
+                                       block_i=block, threads=self.fwd_threads_16 if small else 256)
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
         if T > 0:
