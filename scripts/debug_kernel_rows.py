@@ -38,3 +38,39 @@ for threads, block in [(256, 64), (128, 64), (128, 128)]:
 be = TileLangBackend()
 ms = triton.testing.do_bench(lambda: be.forward(q, kv, idx, 0.0625, 512), return_mode="median")
 print(f"fwd default (heads padded to 32): H8 fwd {ms:.3f} ms")
+
+# W2 fwd+bwd through autograd at H=8/16: 16-row tile (128 threads) vs default vs megatron-core, same run
+from glm5_dsa_plugin.ops import backends, sparse_mla  # noqa: E402
+
+try:
+    from megatron.core.transformer.experimental_attention_variant.ops.sparse_mla import SparseMLA
+except Exception:  # noqa: BLE001
+    SparseMLA = None
+T = 4096
+r = torch.rand(T, T, device="cuda").masked_fill(torch.ones(T, T, device="cuda").triu(1).bool(), -1.0)
+vals, w2 = r.topk(2048, dim=-1)
+w2 = w2.masked_fill(vals < 0, -1).to(torch.int32)
+w2[[0, 7, 2000]] = -1
+w2 = w2[:, None, :].contiguous()
+variant = TileLangBackend(fwd_min_heads=16, fwd_threads_16=128, fwd_block_16=64)
+backends.register_backend("tilelang_tile16", lambda: variant, replace=True)
+for H in (8, 16):
+    q = torch.randn(T, H, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(T, 1, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
+    impls = {"ours_default": lambda: sparse_mla(q, kv, w2, 0.0625, backend="tilelang")[0],
+             "ours_tile16_128thr": lambda: sparse_mla(q, kv, w2, 0.0625, backend="tilelang_tile16")[0]}
+    if SparseMLA is not None:
+        impls["mcore"] = lambda: SparseMLA.apply(q, kv, w2, 0.0625)[0]
+    outs = {}
+    for name, fn in impls.items():
+        def fb():
+            q.grad = kv.grad = None
+            fn().backward(g)
+        fb()
+        outs[name] = (fn().detach().float(), q.grad.float().clone())
+        ms = triton.testing.do_bench(fb, return_mode="median")
+        print(f"W2 H{H} {name:20s} fwd+bwd {ms:.3f} ms")
+    a, b = outs["ours_tile16_128thr"], outs["ours_default"]
+    print(f"W2 H{H} tile16 vs default: out rel {((a[0]-b[0]).norm()/b[0].norm()).item():.2e} "
+          f"dq rel {((a[1]-b[1]).norm()/b[1].norm()).item():.2e}")
