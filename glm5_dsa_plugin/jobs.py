@@ -58,10 +58,7 @@ def lora_main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:
         return core.run_dry(args)
-    core.init_parallel(args)
-    card = core.load_card_from_args(args)
-    config = core.model_config(args, card, mtp_num_layers=None)
-    model = core.build_model(args, card, config)
+    card, model = core.prepare(args, mtp_num_layers=None)
     _, model = apply_lora(model, args.lora_dim, args.lora_alpha, args.lora_indexer)
     model.to(args.device)
     if args.load_adapters:
@@ -153,17 +150,14 @@ def ppo_main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:
         return core.run_dry(args)
-    core.init_parallel(args)
-    card = core.load_card_from_args(args)
-    config = core.model_config(args, card, mtp_num_layers=None)
-    model = core.build_model(args, card, config)
+    card, model = core.prepare(args, mtp_num_layers=None)
     roll = torch.load(args.rollouts) if args.rollouts else make_rollouts(card, seed=args.seed)
 
     def step(i: int) -> core.StepResult:
         logp = token_logprobs(model, roll, args.device)
         loss = ppo_loss(logp, roll, args.clip, args.kl_coef)
         loss.backward()
-        return core.StepResult(float(loss), 0.0, int(roll["seq_lens"].sum()))
+        return core.StepResult(float(loss.detach()), 0.0, int(roll["seq_lens"].sum()))
 
     core.train(args, model, card, step)
     return 0
@@ -176,9 +170,6 @@ def mtp_main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:
         return core.run_dry(args)
-    core.init_parallel(args)
-    card = core.load_card_from_args(args)
-    config = core.model_config(args, card, mtp_num_layers=1, mtp_loss_scaling_factor=args.mtp_loss_scale)
-    model = core.build_model(args, card, config, mtp=True)
+    card, model = core.prepare(args, mtp=True, mtp_num_layers=1, mtp_loss_scaling_factor=args.mtp_loss_scale)
     core.train(args, model, card, core.lm_step(args, model, card, with_mtp=True))
     return 0

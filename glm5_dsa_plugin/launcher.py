@@ -156,6 +156,14 @@ def build_model(args, card: dict, config, mtp: bool = False):
     return model
 
 
+def prepare(args, mtp: bool = False, **config_extra):
+    """Parallel state, card, config and the model built through ``--spec``: -> (card, model)."""
+    init_parallel(args)
+    card = load_card_from_args(args)
+    config = model_config(args, card, **config_extra)
+    return card, build_model(args, card, config, mtp=mtp)
+
+
 def attention_classes(model) -> set[type]:
     from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
 
@@ -260,7 +268,7 @@ def lm_step(args, model, card, with_mtp: bool = False) -> Callable[[int], StepRe
         per_token = model(tok, pos, None, labels=labels)  # [B, S]; MTP loss attached inside when enabled
         loss = per_token.float().mean()
         loss.backward()
-        return StepResult(float(loss), 0.0, B * S)
+        return StepResult(float(loss.detach()), 0.0, B * S)
 
     return step
 
