@@ -282,7 +282,7 @@ def main():
 
     print(f"\n{result['gpu']}  {result['versions']}")
     for k, v in extra.items():
-        print(f"  {k}: {v:.3f} ms")
+        print(f"  {k}: {v:.3f} ms" if isinstance(v, float) else f"  {k}: {v}")
     print(f"{'wl':3} {'H':>3} {'impl':16} {'fwd ms':>8} {'f+b ms':>8} {'fwdTF':>6} {'bwdTF':>6} {'GiB':>5}  rel(out,dq,dkv)")
     for r in rows:
         if "error" in r:
