@@ -108,8 +108,6 @@ def attention_activation_bytes(card: dict, tp: int, cp: int, seq: int, computes:
 
 
 def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int) -> tuple[list[Stage], dict]:
-    from .launcher import model_config  # noqa: F401  (keeps one config path)
-
     n = card["num_hidden_layers"]
     k = card.get("first_k_dense_replace", 0)
     freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
@@ -142,7 +140,7 @@ def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int) -> tuple[list
             st.params_per_rank += embed + Hd  # output layer + final norm
             if card.get("num_nextn_predict_layers"):
                 st.has_mtp = True
-                st.params_per_rank += kinds[(True, True)] + 2 * Hd * Hd // 1 + 3 * Hd
+                st.params_per_rank += kinds[(True, True)] + 2 * Hd * Hd + 3 * Hd  # MTP layer, eh_proj, 3 norms
         stages.append(st)
     info = dict(layer_params_per_rank={f"{'moe' if m else 'dense'}{'' if c else '+reuse'}": v
                                        for (m, c), v in kinds.items()}, embedding_per_rank=embed)

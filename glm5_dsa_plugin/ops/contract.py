@@ -33,7 +33,6 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-KERNEL_DTYPES = (torch.bfloat16,)
 
 
 class SparseMLAInputError(ValueError):

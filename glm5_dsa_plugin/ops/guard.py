@@ -128,7 +128,7 @@ def _event(kind: str, backend, inputs: dict, bad: dict, n_rows: int) -> str | No
     if _cfg.policy == "raise":
         raise FloatingPointError(
             f"sparse_mla {kind} ({backend.name}) produced nonfinite values in {n_rows} row(s); "
-            f"inputs dumped to {path or _stats.dumps[-1] if _stats.dumps else path}"
+            f"inputs dumped to {path or (_stats.dumps[-1] if _stats.dumps else 'nowhere (dump_every)')}"
         )
     if not _cfg.warned:
         _cfg.warned = True
