@@ -150,3 +150,21 @@ def test_config_without_dsa_fields_is_refused():
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
     with pytest.raises(ValueError, match="config lacks"):
         spec.get_glm5_dsa_spec(None, cfg)
+
+
+def test_tiny_model_with_mtp_thd_forward_backward(megatron_single_process, forbid_megatron_dsa_kernels):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    card, cfg = tiny_config()  # 2 dense + 2 MoE layers + 1 MTP layer
+    model = build(cfg, card, mtp=True)
+    cu = torch.tensor([0, 5, 17, 30], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=13, max_seqlen_kv=13)
+    tok = torch.randint(0, card["vocab_size"], (1, 30))
+    pos = torch.cat([torch.arange(5), torch.arange(12), torch.arange(13)])[None]
+    model.train()
+    loss = model(tok, pos, None, labels=torch.randint(0, card["vocab_size"], (1, 30)), packed_seq_params=psp)
+    assert loss.shape == (1, 30) and torch.isfinite(loss).all()
+    loss.sum().backward()
+    mtp_grads = [p.grad for n, p in model.named_parameters() if n.startswith("mtp.") and "core_attention" in n]
+    assert mtp_grads and all(g is not None and torch.isfinite(g).all() for g in mtp_grads)
+    assert len(forbid_megatron_dsa_kernels) == 5  # 4 decoder layers + the MTP layer, all ours
