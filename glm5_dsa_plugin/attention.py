@@ -209,10 +209,8 @@ class GLM5DSAttention(MegatronModule):
         if self.indexer is not None:
             qi, ki, wi = self.indexer.qkw(xs, qrs, vis.query_pos)
             indices = ix.select_topk(qi.detach(), ki.detach(), wi.detach(), self.indexer.topk, vis)
-            # entries of this and later layers belong to an earlier forward (or are recomputed now)
-            for stale in [k for k in holder if k >= self.layer_number]:
-                del holder[stale]
-            holder[self.layer_number] = indices
+            if self.topk_freq > 1:  # only kept when later layers reuse them (index sharing)
+                holder[self.layer_number] = indices
             coeff = self.config.dsa_indexer_loss_coeff or 0.0
             if self.training and coeff > 0 and torch.is_grad_enabled():
                 index_logits = ix.selected_scores(qi, ki, wi, indices)
