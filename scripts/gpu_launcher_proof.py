@@ -21,9 +21,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backend", default="tilelang")
+    ap.add_argument("--seq-len", default="512")
     a = ap.parse_args()
     over = sum((["--card-override", f"{k}={json.dumps(v)}"] for k, v in SMALL.items()), [])
-    common = ["--card", "tiny", "--backend", "tilelang", "--device", "cuda", "--seq-len", "512", "--batch-size", "4",
+    common = ["--card", "tiny", "--backend", a.backend, "--device", a.device, "--seq-len", a.seq_len, "--batch-size", "4",
               "--steps", str(a.steps), "--lr", "3e-4"] + over
     summary = {}
     for job, main in (("lora", jobs.lora_main), ("ppo", jobs.ppo_main), ("mtp", jobs.mtp_main)):
