@@ -57,6 +57,13 @@ class Visibility:
     query_pos: torch.Tensor
     key_seq: torch.Tensor
     key_pos: torch.Tensor
+    query_index: torch.Tensor | None = None  # packed index of each query row among the keys (default: same rows)
+
+    @property
+    def qidx(self) -> torch.Tensor:
+        if self.query_index is not None:
+            return self.query_index
+        return torch.arange(self.query_seq.shape[0], device=self.query_seq.device)
 
     @staticmethod
     def from_cu_seqlens(cu_seqlens: torch.Tensor, device=None, cu_seqlens_padded: torch.Tensor | None = None
@@ -94,7 +101,7 @@ class Visibility:
 
     def rows(self, sel) -> "Visibility":
         """Visibility of a subset of query rows (index tensor or slice) against the same keys."""
-        return Visibility(self.query_seq[sel], self.query_pos[sel], self.key_seq, self.key_pos)
+        return Visibility(self.query_seq[sel], self.query_pos[sel], self.key_seq, self.key_pos, self.qidx[sel])
 
     def mask(self, rows=slice(None)) -> torch.Tensor:
         """bool [T_rows, T_kv]."""
@@ -151,14 +158,50 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
     budget = _CHUNK_ELEMS * (8 if q.is_cuda else 1)  # larger chunks on a GPU: fewer, bigger launches
     c = chunk_rows or max(1, budget // max(1, Hi * n))
+    use_triton = q.is_cuda and _triton_scores_ok()
+    qidx = vis.qidx
     with torch.no_grad():
         for t0 in range(0, T, c):
             t1 = min(T, t0 + c)
-            sc = index_scores(q[t0:t1], k, w[t0:t1])
-            sc = sc.masked_fill(~vis.mask(slice(t0, t1)), float("-inf"))
+            sc = None
+            if use_triton:
+                sc = _triton_scores(q[t0:t1], k, w[t0:t1], vis.query_seq[t0:t1], vis.query_pos[t0:t1], qidx[t0:t1],
+                                    vis.key_seq, vis.key_pos)
+            if sc is None:
+                sc = index_scores(q[t0:t1], k, w[t0:t1])
+                sc = sc.masked_fill(~vis.mask(slice(t0, t1)), float("-inf"))
             out[t0:t1] = deterministic_topk(sc, topk)
     check_topk(out, vis)
     return out
+
+
+_TRITON_STATE = {"ok": None}
+
+
+def _triton_scores_ok() -> bool:
+    if _TRITON_STATE["ok"] is None:
+        try:
+            from . import indexer_triton  # noqa: F401
+
+            _TRITON_STATE["ok"] = True
+        except Exception:  # noqa: BLE001 - no Triton: the torch path is exact too
+            _TRITON_STATE["ok"] = False
+    return bool(_TRITON_STATE["ok"])
+
+
+def _triton_scores(q, k, w, qs, qp, qi, ks, kp):
+    """Fused masked scores, or None (after one warning) if the kernel cannot run here."""
+    from . import indexer_triton
+
+    try:
+        return indexer_triton.masked_index_scores(q, k, w, qs, qp, qi, ks, kp)
+    except Exception as exc:  # noqa: BLE001 - a performance path: fall back to the exact torch path
+        import warnings
+
+        _TRITON_STATE["ok"] = False
+        warnings.warn(f"indexer Triton kernel unavailable ({type(exc).__name__}: {exc}); using the torch path",
+                      RuntimeWarning, stacklevel=3)
+        return None
 
 
 def check_topk(indices: torch.Tensor, vis: Visibility) -> None:
