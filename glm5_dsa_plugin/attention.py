@@ -208,7 +208,7 @@ class GLM5DSAttention(MegatronModule):
         index_logits = None
         if self.indexer is not None:
             qi, ki, wi = self.indexer.qkw(xs, qrs, vis.query_pos)
-            indices = ix.select_topk(qi.detach(), ki.detach(), wi.detach(), self.indexer.topk, vis)
+            indices = ix.select_topk(qi.detach(), ki.detach(), wi.detach(), self.indexer.topk, vis, check=False)
             if self.topk_freq > 1:  # only kept when later layers reuse them (index sharing)
                 holder[self.layer_number] = indices
             coeff = self.config.dsa_indexer_loss_coeff or 0.0
