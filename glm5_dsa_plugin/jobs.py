@@ -157,7 +157,7 @@ def ppo_main(argv=None) -> int:
         logp = token_logprobs(model, roll, args.device)
         loss = ppo_loss(logp, roll, args.clip, args.kl_coef)
         loss.backward()
-        return core.StepResult(float(loss.detach()), 0.0, int(roll["seq_lens"].sum()))
+        return core.StepResult(float(loss.detach()), int(roll["seq_lens"].sum()))
 
     core.train(args, model, card, step)
     return 0
@@ -171,5 +171,5 @@ def mtp_main(argv=None) -> int:
     if args.dry_run:
         return core.run_dry(args)
     card, model = core.prepare(args, mtp=True, mtp_num_layers=1, mtp_loss_scaling_factor=args.mtp_loss_scale)
-    core.train(args, model, card, core.lm_step(args, model, card, with_mtp=True))
+    core.train(args, model, card, core.lm_step(args, model, card))
     return 0

@@ -173,8 +173,9 @@ def attention_classes(model) -> set[type]:
 # --------------------------------------------------------------------------- training loop
 @dataclass
 class StepResult:
+    """What a job's step function reports; the core adds the grad-norm after clipping."""
+
     loss: float
-    grad_norm: float
     tokens: int
 
 
@@ -194,14 +195,6 @@ def synthetic_batch(args, card: dict, step: int):
         toks.append(torch.where(jump, torch.randint(0, V, (B,), generator=g), nxt))
     seq = torch.stack(toks, dim=1)
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-
-
-def trainable_parameters(model):
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def grad_norm_and_clip(params, max_norm: float) -> float:
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 
 def save_checkpoint(path, model, optimizer, step: int, extra: dict | None = None) -> None:
@@ -225,7 +218,7 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
     """Run ``args.steps`` optimizer steps with tqdm; resume from / save to checkpoints."""
     from tqdm import tqdm
 
-    params = params if params is not None else trainable_parameters(model)
+    params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     start = load_checkpoint(args.load, model, opt) if args.load else 0
     model.train()
@@ -236,7 +229,7 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         res = step_fn(step)
-        gn = grad_norm_and_clip(params, args.clip_grad)
+        gn = float(torch.nn.utils.clip_grad_norm_(params, args.clip_grad))
         opt.step()
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -259,7 +252,7 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
     return log
 
 
-def lm_step(args, model, card, with_mtp: bool = False) -> Callable[[int], StepResult]:
+def lm_step(args, model, card) -> Callable[[int], StepResult]:
     def step(i: int) -> StepResult:
         tok, labels = synthetic_batch(args, card, i)
         tok, labels = tok.to(args.device), labels.to(args.device)
@@ -268,7 +261,7 @@ def lm_step(args, model, card, with_mtp: bool = False) -> Callable[[int], StepRe
         per_token = model(tok, pos, None, labels=labels)  # [B, S]; MTP loss attached inside when enabled
         loss = per_token.float().mean()
         loss.backward()
-        return StepResult(float(loss.detach()), 0.0, B * S)
+        return StepResult(float(loss.detach()), B * S)
 
     return step
 

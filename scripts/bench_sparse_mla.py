@@ -23,22 +23,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from glm5_dsa_plugin.ops import configure, sparse_mla  # noqa: E402
 from glm5_dsa_plugin.ops import reference as ref  # noqa: E402
 from glm5_dsa_plugin.ops.contract import check_indices, flops  # noqa: E402
+from glm5_dsa_plugin.ops.workloads import w1_indices, w2_indices  # noqa: E402
 
 SCALE = 256**-0.5
 D_V = 512
-
-
-def w1_indices(T, T_kv, topk, gen):
-    return torch.rand(T, T_kv, generator=gen, device="cuda").topk(topk, dim=-1).indices.to(torch.int32)[:, None, :]
-
-
-def w2_indices(T, topk, gen):
-    r = torch.rand(T, T, generator=gen, device="cuda")
-    causal = torch.arange(T, device="cuda")[None, :] <= torch.arange(T, device="cuda")[:, None]
-    vals, idx = r.masked_fill(~causal, -1.0).topk(topk, dim=-1)
-    idx = idx.masked_fill(vals < 0, -1).to(torch.int32)
-    idx[[0, 7, 2000]] = -1
-    return idx[:, None, :].contiguous()
 
 
 def bench(fn, warmup=25, rep=100):

@@ -41,17 +41,14 @@ print(f"fwd default (heads padded to 32): H8 fwd {ms:.3f} ms")
 
 # W2 fwd+bwd through autograd at H=8/16: 16-row tile (128 threads) vs default vs megatron-core, same run
 from glm5_dsa_plugin.ops import backends, sparse_mla  # noqa: E402
+from glm5_dsa_plugin.ops.workloads import w2_indices  # noqa: E402
 
 try:
     from megatron.core.transformer.experimental_attention_variant.ops.sparse_mla import SparseMLA
 except Exception:  # noqa: BLE001
     SparseMLA = None
 T = 4096
-r = torch.rand(T, T, device="cuda").masked_fill(torch.ones(T, T, device="cuda").triu(1).bool(), -1.0)
-vals, w2 = r.topk(2048, dim=-1)
-w2 = w2.masked_fill(vals < 0, -1).to(torch.int32)
-w2[[0, 7, 2000]] = -1
-w2 = w2[:, None, :].contiguous()
+w2 = w2_indices(T, 2048, torch.Generator(device="cuda").manual_seed(0))
 variant = TileLangBackend(fwd_min_heads=16, fwd_threads_16=128, fwd_block_16=64)
 backends.register_backend("tilelang_tile16", lambda: variant, replace=True)
 for H in (8, 16):

@@ -5,24 +5,10 @@ import torch
 
 from glm5_dsa_plugin.ops import EMPTY_ROW_LSE, sparse_mla
 from glm5_dsa_plugin.ops import reference as ref
+from glm5_dsa_plugin.ops.workloads import w2_indices
 
 pytestmark = pytest.mark.gpu
 SCALE = 256**-0.5
-
-
-def w2_indices(T, topk, gen, empty_rows=(0, 7, 2000), device="cuda"):
-    """Row t holds a random permutation of min(t+1, topk) keys in [0, t], then -1."""
-    r = torch.rand(T, T, generator=gen, device=device)
-    causal = torch.arange(T, device=device)[None, :] <= torch.arange(T, device=device)[:, None]
-    r = r.masked_fill(~causal, -1.0)
-    vals, idx = r.topk(min(topk, T), dim=-1)
-    idx = idx.masked_fill(vals < 0, -1).to(torch.int32)
-    if topk > T:
-        idx = torch.nn.functional.pad(idx, (0, topk - T), value=-1)
-    for t in empty_rows:
-        if t < T:
-            idx[t] = -1
-    return idx[:, None, :].contiguous()  # [T, 1, topk]
 
 
 def rel_l2(a, b):
