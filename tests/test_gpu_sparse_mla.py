@@ -124,7 +124,8 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
 def test_nan_guard_regions_untouched():
     """Every buffer the kernels touch sits inside NaN-filled guard regions (safe-memory pass off):
     results finite and exact, every guard element unchanged after forward and backward."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang_backend import _leading_blocks
+    from glm5_dsa_plugin.ops.tilelang_kernels import bwd_block_slots, sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, T_kv, H, D, K, GUARD = 300, 257, 64, 576, 128, 1 << 16
@@ -144,6 +145,9 @@ def test_nan_guard_regions_untouched():
     idx = torch.randint(0, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
     idx[torch.rand(idx.shape, generator=gen, device="cuda") < 0.4] = -1
     idx[..., :3] = torch.tensor([0, T_kv - 1, -1], device="cuda", dtype=torch.int32)
+    # indices that validation rejects must still be memory-safe (validation is read after the
+    # kernel on this backend): they act as padding here
+    idx[..., 3:6] = torch.tensor([T_kv, -7, 2**31 - 1], device="cuda", dtype=torch.int32)
     idx[:, 5] = -1
     out_buf, out = guarded((1, T, H, 512), torch.bfloat16)
     lse_buf, lse = guarded((1, T, H), torch.float32)
@@ -152,7 +156,8 @@ def test_nan_guard_regions_untouched():
     dkv_buf, dkv = guarded((1, T_kv + 1, 1, D), torch.float32, torch.zeros(1, T_kv + 1, 1, D, device="cuda"))
     do = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     delta = (out.float() * do.float()).sum(-1)
-    sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE)(q, kv, do, idx, lse, delta, dq, dkv)
+    blocks = _leading_blocks(idx, T_kv, bwd_block_slots(H))
+    sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE)(q, kv, do, idx, lse, delta, blocks, dq, dkv)
     torch.cuda.synchronize()
     for name, buf, inner in (("kv", kv_buf, kv), ("out", out_buf, out), ("lse", lse_buf, lse),
                              ("dq", dq_buf, dq), ("dkv", dkv_buf, dkv)):
@@ -161,8 +166,9 @@ def test_nan_guard_regions_untouched():
         assert torch.isnan(buf[:GUARD]).all() and torch.isnan(buf[GUARD + n :]).all(), f"{name}: guard written"
     assert torch.all(dkv[:, T_kv] == 0), "sentinel row received a dKV contribution"
     assert torch.all(out[0, 5] == 0) and torch.all(dq[0, 5] == 0)
-    r_out, r_lse = ref.forward(q.float(), kv_real.float(), idx, SCALE, 512)
-    r_dq, r_dkv = ref.backward(q.float(), kv_real.float(), idx, do.float(), SCALE, 512)
+    clean = idx.masked_fill((idx < -1) | (idx >= T_kv), -1)
+    r_out, r_lse = ref.forward(q.float(), kv_real.float(), clean, SCALE, 512)
+    r_dq, r_dkv = ref.backward(q.float(), kv_real.float(), clean, do.float(), SCALE, 512)
     assert rel_l2(out, r_out) < 3e-3 and rel_l2(dq, r_dq) < 3e-3 and rel_l2(dkv[:, :T_kv], r_dkv) < 3e-3
 
 
@@ -176,3 +182,13 @@ def test_guard_counts_calls_and_stays_quiet_on_good_output():
     sparse_mla(q, kv, idx, SCALE, backend="tilelang")[0].sum().backward()
     st = guard_stats()
     assert st["calls_checked"] == 2 and st["events"] == 0
+
+
+def test_bad_index_raises_on_the_tilelang_path():
+    """Validation is read after the (memory-safe) kernel here; the error is the same as elsewhere."""
+    q = torch.randn(64, 16, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(80, 1, 576, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(-1, 80, (64, 1, 64), device="cuda", dtype=torch.int32)
+    idx[10, 0, 7] = 80
+    with pytest.raises(ValueError, match=r"row=10, group=0, slot=7\] = 80: index 80 >= capacity T_kv=80"):
+        sparse_mla(q, kv, idx, SCALE, backend="tilelang")

@@ -196,3 +196,40 @@ def test_doctor_warns_on_known_bad_tilelang(monkeypatch):
     lines = []
     assert doctor.run(lines.append) == 1
     assert any("known to miscompile" in x for x in lines)
+
+
+class IndexSafeReference(ReferenceBackend):
+    """The reference made memory-safe for any index (invalid slots treated as padding), and so
+    allowed to have its index validation read after the kernel, like TileLang's safe mode."""
+
+    name = "index_safe_ref"
+    memory_safe_on_any_index = True
+    forward_calls = 0
+
+    def forward(self, q, kv, indices, sm_scale, d_v):
+        type(self).forward_calls += 1
+        clean = indices.masked_fill((indices < -1) | (indices >= kv.shape[1]), -1)
+        return super().forward(q, kv, clean, sm_scale, d_v)
+
+
+@pytest.mark.parametrize("policy", ["fallback", "off"])
+def test_deferred_validation_still_raises_with_position_and_value(policy):
+    register_backend("index_safe_ref", IndexSafeReference, replace=True)
+    configure(policy=policy)
+    try:
+        q, kv, idx, g = _inputs()
+        out, _ = sparse_mla(q, kv, idx, 0.3, d_v=8, backend="index_safe_ref")
+        want, _ = sparse_mla(q, kv, idx, 0.3, d_v=8, backend="reference")
+        assert torch.equal(out, want)
+        bad = idx.clone()
+        bad[1, 3, 0, 2] = 10  # == T_kv
+        calls = IndexSafeReference.forward_calls
+        with pytest.raises(ValueError, match=r"indices\[batch=1, row=3, group=0, slot=2\] = 10"):
+            sparse_mla(q, kv, bad, 0.3, d_v=8, backend="index_safe_ref")
+        assert IndexSafeReference.forward_calls == calls + 1  # the kernel ran, the result was not returned
+        # a backend without the property validates before running anything
+        with pytest.raises(ValueError, match=r"row=3"):
+            sparse_mla(q, kv, bad, 0.3, d_v=8, backend="reference")
+    finally:
+        unregister_backend("index_safe_ref")
+        configure(policy="fallback")

@@ -2,8 +2,10 @@
 
 Policy (per process): env ``GLM5_DSA_NONFINITE=fallback|raise|off`` or :func:`configure`.
 
-Detection: after each fast-backend call, one device-side finiteness reduction over the
-outputs (out/lse forward, dq/dkv backward) and a single host read of the resulting flag.
+Detection: after each fast-backend call, one device-side finiteness pass over the outputs
+(out/lse forward, dq/dkv backward; Triton on CUDA) into an int32 flag buffer and a single host
+read of it. In the forward the same read also carries the deferred index-validation flag (see
+``contract.index_violation_flag``), so a validated, guarded call syncs once per direction.
 
 Repair method (``fallback``):
   * forward: the query rows (b, t) whose out or lse holds a nonfinite value are recomputed
@@ -30,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import reference
+from .contract import SparseMLAInputError, check_indices
 
 POLICIES = ("fallback", "raise", "off")
 
@@ -142,16 +145,23 @@ def _event(kind: str, backend, inputs: dict, bad: dict, n_rows: int) -> str | No
     return path
 
 
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    """One reduction pass per tensor (NaN/inf propagate through a sum), one host read.
+def _flag_nonfinite(t: torch.Tensor, flags: torch.Tensor, slot: int) -> None:
+    """flags[slot] becomes nonzero if t holds NaN/inf; device-side, no host sync.
+    CUDA: one Triton pass per tensor; elsewhere (fault-injection tests on CPU) plain torch."""
+    if t.is_cuda:
+        from .triton_helpers import flag_nonfinite
 
-    A sum can overflow on huge finite values; that only sends the call to the slow path,
-    which then finds no nonfinite row and returns the outputs unchanged."""
-    total = None
+        flag_nonfinite(t, flags, slot)
+    else:
+        flags[slot : slot + 1] += (~torch.isfinite(t)).any().to(torch.int32)
+
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    """One finiteness pass per tensor, one host read."""
+    flags = torch.zeros(1, dtype=torch.int32, device=tensors[0].device)
     for t in tensors:
-        s = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-        total = s if total is None else total + s
-    return bool(torch.isfinite(total))
+        _flag_nonfinite(t, flags, 0)
+    return flags.item() == 0
 
 
 def _bad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -159,12 +169,28 @@ def _bad_rows(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t).flatten(2).all(-1)
 
 
-def run_forward(backend, q, kv, indices, sm_scale, d_v):
+def run_forward(backend, q, kv, indices, sm_scale, d_v, index_flag: torch.Tensor | None = None):
+    """Forward through ``backend`` with the nonfinite check. ``index_flag`` (from
+    ``contract.index_violation_flag``, only for backends memory-safe on any index) is read in the
+    same host read as the finiteness flag; a violation raises the usual SparseMLAInputError."""
     out, lse = backend.forward(q, kv, indices, sm_scale, d_v)
-    if _cfg.policy == "off" or backend.name == "reference":
+    check = _cfg.policy != "off" and backend.name != "reference"
+    if not check and index_flag is None:
+        return out, lse
+    flags = torch.zeros(2, dtype=torch.int32, device=out.device)
+    if index_flag is not None:
+        flags[0:1].copy_(index_flag)
+    if check:
+        _flag_nonfinite(out, flags, 1)
+        _flag_nonfinite(lse, flags, 1)
+    bad_index, nonfinite = flags.tolist()  # the call's one host read
+    if bad_index:
+        check_indices(indices, kv.shape[1])
+        raise SparseMLAInputError("sparse_mla: indices hold an entry outside {-1} U [0, T_kv)")
+    if not check:
         return out, lse
     _stats.calls_checked += 1
-    if _all_finite(out, lse):
+    if not nonfinite:
         return out, lse
     bad = _bad_rows(out) | _bad_rows(lse)
     rows = bad.nonzero()

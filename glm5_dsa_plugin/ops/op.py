@@ -6,13 +6,13 @@ import torch
 
 from . import backends as _backends
 from . import guard as _guard
-from .contract import canonicalize, check_indices
+from .contract import canonicalize, check_indices, index_violation_flag
 
 
 class _SparseMLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v, backend):
-        out, lse = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v)
+    def forward(ctx, q, kv, indices, sm_scale, d_v, backend, index_flag):
+        out, lse = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v, index_flag)
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.sm_scale, ctx.d_v, ctx.backend = sm_scale, d_v, backend
         ctx.mark_non_differentiable(lse)
@@ -22,11 +22,11 @@ class _SparseMLAFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, kv, indices, out, lse = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         dq, dkv = _guard.run_backward(
             ctx.backend, q, kv, indices, out, lse, grad_out.contiguous(), ctx.sm_scale, ctx.d_v
         )
-        return dq, dkv, None, None, None, None
+        return dq, dkv, None, None, None, None, None
 
 
 def sparse_mla(
@@ -53,8 +53,11 @@ def sparse_mla(
         d_v: value width (leading channels of kv).
         backend: ``"reference"``, ``"tilelang"`` or ``"auto"`` (TileLang on CUDA sm_90 when it
             imports, else the reference with one warning).
-        validate: check every index before any kernel runs (one device reduction, one flag read).
-            Only trusted callers that already guarantee the index rule should pass False.
+        validate: check every index (one device reduction, one flag read). Backends memory-safe for
+            any index value (TileLang: invalid slots read the zero sentinel row, issue no atomics)
+            read the flag after the kernel, with the nonfinite guard's, and raise before returning;
+            others check before any kernel runs. Only trusted callers that already guarantee the
+            index rule should pass False.
 
     Returns:
         ``out [.., T, H, d_v]`` in q's dtype, where for row t, head h:
@@ -68,10 +71,14 @@ def sparse_mla(
         SparseMLAInputError (a ValueError) naming the tensor, position and value of bad input.
     """
     q4, kv4, idx4, prob = canonicalize(q, kv, indices, sm_scale, d_v)
-    if validate:
-        check_indices(idx4, prob.seq_len_kv)
     impl = _backends.resolve(backend, q4.device)
-    out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl)
+    index_flag = None
+    if validate:
+        if getattr(impl, "memory_safe_on_any_index", False):
+            index_flag = index_violation_flag(idx4, prob.seq_len_kv)  # read after the kernel, with the guard's flag
+        else:
+            check_indices(idx4, prob.seq_len_kv)
+    out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl, index_flag)
     if not prob.batched_input:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return out, lse

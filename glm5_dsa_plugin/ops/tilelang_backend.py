@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .contract import SparseMLAInputError
+from .triton_helpers import row_delta
 
 MIN_CAPABILITY = (9, 0)
 
@@ -32,11 +33,10 @@ def _import_status() -> tuple[bool, str]:
     return True, f"tilelang {tilelang.__version__}"
 
 
-# Smallest head tile per kernel. The forward with a 16-row head tile (mma m16 path) gives
-# wrong rows 8..15 for some topk/d_v on TileLang 0.1.15 (measured on the H200, see
-# benchmarks/NOTES.md), so the forward pads heads per group to >= 32; the backward's 16-row
-# tile is verified and kept.
-FWD_MIN_HEADS = 32
+# Smallest head tile per kernel. A 16-row forward head tile gave wrong rows 8..15 on TileLang
+# 0.1.15 while the q tile and the out/lse stores were element loops; with tile copies (T.copy)
+# it is checked by tests/test_gpu_sparse_mla.py (H=8) and scripts/debug_kernel_rows.py.
+FWD_MIN_HEADS = 16
 BWD_MIN_HEADS = 16
 
 
@@ -78,14 +78,13 @@ def _with_sentinel_row(kv: torch.Tensor) -> torch.Tensor:
     return torch.cat([kv, kv.new_zeros(kv.shape[0], 1, *kv.shape[2:])], dim=1)
 
 
-def _row_delta(out: torch.Tensor, grad_out: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
-    """Delta [B, T, H] fp32 = sum_d out * grad_out, chunked over rows to bound temporaries."""
-    B, T, H, _ = out.shape
-    delta = torch.empty(B, T, H, dtype=torch.float32, device=out.device)
-    for t0 in range(0, T, rows_per_chunk):
-        t1 = min(T, t0 + rows_per_chunk)
-        delta[:, t0:t1] = (out[:, t0:t1].float() * grad_out[:, t0:t1].float()).sum(-1)
-    return delta
+def _leading_blocks(indices: torch.Tensor, n_kv: int, block: int) -> torch.Tensor:
+    """[B, T, G, K] (K % block == 0) -> [B, T, G] int32: 1 + the last ``block``-slot block that holds
+    a valid slot (0 for a row with none). The backward skips the pure-padding blocks after it."""
+    B, T, G, K = indices.shape
+    has = ((indices >= 0) & (indices < n_kv)).view(B, T, G, K // block, block).any(-1)
+    rank = torch.arange(1, K // block + 1, device=indices.device, dtype=torch.int32)
+    return (has * rank).amax(-1).to(torch.int32)
 
 
 class TileLangBackend:
@@ -99,6 +98,11 @@ class TileLangBackend:
         self.fwd_min_heads = fwd_min_heads
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
+
+    @property
+    def memory_safe_on_any_index(self) -> bool:
+        """True when no index value can make the kernels touch memory out of bounds (``safe`` mode)."""
+        return self.safe
 
     def available(self) -> tuple[bool, str]:
         ok, reason = _import_status()
@@ -147,11 +151,11 @@ class TileLangBackend:
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad)
 
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
-        from .tilelang_kernels import BLOCK_TOPK, sparse_mla_bwd_kernel
+        from .tilelang_kernels import BLOCK_TOPK, bwd_block_slots, sparse_mla_bwd_kernel
 
         self._check(q, kv, d_v)
         G, hg, hg_pad = self._geometry(q, kv, BWD_MIN_HEADS)
-        delta = _row_delta(out, grad_out)
+        delta = row_delta(out, grad_out)
         qp = _pad_heads(q, G, hg, hg_pad)
         dop = _pad_heads(grad_out, G, hg, hg_pad)
         lsep = _pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
@@ -159,9 +163,10 @@ class TileLangBackend:
         idx = _pad_topk(indices, BLOCK_TOPK)
         B, T, Hp, Dqk = qp.shape
         kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
+        blocks = _leading_blocks(idx, kv.shape[1], bwd_block_slots(hg_pad))
         kv_k = self._kv_for_kernel(kv)
         dq = torch.empty_like(qp)
         dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=kv.device)
         if T > 0:
-            kernel(qp, kv_k, dop, idx, lsep, deltap, dq, dkv)
+            kernel(qp, kv_k, dop, idx, lsep, deltap, blocks, dq, dkv)
         return _unpad_heads(dq, G, hg, hg_pad), dkv[:, : kv.shape[1]].to(kv.dtype)

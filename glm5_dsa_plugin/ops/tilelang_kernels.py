@@ -111,10 +111,10 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             T.fill(m, _MASK_INIT)
             s = bx // rep
             h0 = g * hg + (bx % rep) * h_blk
-            for h, d in T.Parallel(h_blk, D):
-                q_s[h, d] = Q[b, s, h0 + h, d]
-            for h, d in T.Parallel(h_blk, DT):
-                qt_s[h, d] = Q[b, s, h0 + h, D + d]
+            # tile copies (not element loops) for the q tile and the out/lse stores: the element-loop
+            # form returned wrong rows 8..15 of 16-row head tiles on TileLang 0.1.15
+            T.copy(Q[b, s, h0 : h0 + h_blk, :D], q_s)
+            T.copy(Q[b, s, h0 : h0 + h_blk, D:], qt_s)
 
             for i in T.Pipelined(NI, num_stages=num_stages):
                 for j in T.Parallel(BI):
@@ -156,10 +156,8 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                     acc_o[h, d] = acc_o[h, d] / row_sum[h]
                 for h in T.Parallel(h_blk):
                     row_sum[h] = (T.log2(row_sum[h]) + m[h] * scale2) * LN2
-            for h, d in T.Parallel(h_blk, D):
-                Out[b, s, h0 + h, d] = acc_o[h, d]
-            for h in T.Parallel(h_blk):
-                Lse[b, s, h0 + h] = row_sum[h]
+            T.copy(acc_o, Out[b, s, h0 : h0 + h_blk, :])
+            T.copy(row_sum, Lse[b, s, h0 : h0 + h_blk])
 
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
 
@@ -168,7 +166,8 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_s=None, threads=256,
                           target="cuda"):
     """Q [B,T,H,Dqk], KV [B,T_kv+1,G,Dqk] (as forward), dO [B,T,H,d_v] bf16, Indices [B,T,G,topk],
-    Lse [B,T,H] f32 (natural), Delta [B,T,H] f32 = rowsum(O*dO)
+    Lse [B,T,H] f32 (natural), Delta [B,T,H] f32 = rowsum(O*dO), Blocks [B,T,G] i32 = number of
+    leading BS-slot blocks to process (1 + last block holding a valid slot; 0 for an empty row)
     -> dQ [B,T,H,Dqk] bf16 (written), dKV [B,T_kv+1,G,Dqk] f32 (accumulated atomically; caller zeroes)."""
     assert heads % kv_group == 0
     hg = heads // kv_group
@@ -192,6 +191,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
         Indices: T.Tensor([B, S, kv_group, topk], T.int32),
         Lse: T.Tensor([B, S, heads], acc),
         Delta: T.Tensor([B, S, heads], acc),
+        Blocks: T.Tensor([B, S, kv_group], T.int32),
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
         dKV: T.Tensor([B, SKV1, kv_group, D + DT], acc),
     ):
@@ -223,7 +223,9 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             T.clear(acc_dq)
             T.clear(acc_dqt)
 
-            for i in T.Pipelined(NS, num_stages=0):
+            # only the first Blocks[b, s, g] slot blocks hold valid slots (host-computed): blocks of
+            # pure padding after them are skipped, not computed as zeros
+            for i in T.serial(T.min(Blocks[b, s, g], NS)):
                 for j in T.Parallel(BS):
                     valid[j] = valid_slot(Indices[b, s, g, i * BS + j], n_kv)
                 for j, d in T.Parallel(BS, D):
