@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from glm5_dsa_plugin.ops.tilelang_backend import _leading_blocks
+from glm5_dsa_plugin.ops.tilelang_backend import _leading_blocks, kernel_indices
 
 SCRIPT = r"""
 import torch
@@ -54,3 +54,12 @@ def test_leading_blocks_counts_through_the_last_valid_slot():
                 want = 0 if pos.numel() == 0 else int(pos.max()) // blk + 1
                 assert got[b, t, gg].item() == want
     assert got[0, 0, 0] == 0 and got[0, 1, 0] == 3 and got[1, 2, 1] == 0
+
+
+def test_kernel_indices_map_every_invalid_slot_to_the_sentinel():
+    T_kv = 50
+    idx = torch.tensor([[[[0, 49, -1, 50, -7, 2**31 - 1, 3]]]], dtype=torch.int32)
+    got = kernel_indices(idx, T_kv, 4)
+    assert got.dtype == torch.int32 and got.shape == (1, 1, 1, 8)
+    assert got.flatten().tolist() == [0, 49, 50, 50, 50, 50, 3, 50]
+    assert _leading_blocks(got, T_kv, 4).item() == 2

@@ -4,8 +4,10 @@ Padding done here (so the kernels never index past a buffer):
   * heads per kv group are padded with zero query heads to 16, 32, 64 or a multiple of 64
     (zero q gives finite scores; the padded heads' out is dropped and their dO is zero, so
     they add exactly nothing to dkv);
-  * topk is padded with -1 slots to a multiple of ``BLOCK_TOPK``;
-  * kv gets one all-zero sentinel row appended (row T_kv): padding slots gather it
+  * topk is padded to a multiple of ``BLOCK_TOPK`` and every slot outside [0, T_kv) is rewritten
+    to T_kv in the same pass (``kernel_indices``), so no index value a caller passes can make a
+    kernel touch memory out of bounds (validation may therefore be read after the kernel);
+  * kv gets one all-zero sentinel row appended (row T_kv): those slots gather it
     (see tilelang_kernels). The copy is one pass over kv, small next to the kernel.
 """
 
@@ -33,10 +35,11 @@ def _import_status() -> tuple[bool, str]:
     return True, f"tilelang {tilelang.__version__}"
 
 
-# Smallest head tile per kernel. A 16-row forward head tile gave wrong rows 8..15 on TileLang
-# 0.1.15 while the q tile and the out/lse stores were element loops; with tile copies (T.copy)
-# it is checked by tests/test_gpu_sparse_mla.py (H=8) and scripts/debug_kernel_rows.py.
-FWD_MIN_HEADS = 16
+# Smallest head tile per kernel. The forward with a 16-row head tile (mma m16 path) gives wrong
+# rows 8..15 for some topk/d_v on TileLang 0.1.15 (measured on the H200 twice, with element-loop
+# and with tile-copy q loads/out stores; see benchmarks/NOTES.md), so the forward pads heads per
+# group to >= 32; the backward's 16-row tile is verified and kept.
+FWD_MIN_HEADS = 32
 BWD_MIN_HEADS = 16
 
 
@@ -64,6 +67,16 @@ def _unpad_heads(x: torch.Tensor, groups: int, hg: int, hg_pad: int) -> torch.Te
     B, T = x.shape[:2]
     rest = x.shape[3:]
     return x.view(B, T, groups, hg_pad, *rest)[:, :, :, :hg].reshape(B, T, groups * hg, *rest)
+
+
+def kernel_indices(indices: torch.Tensor, n_kv: int, block: int) -> torch.Tensor:
+    """[B, T, G, K] int32 -> [B, T, G, ceil(K / block) * block] int32 with values in [0, n_kv]:
+    every slot outside [0, n_kv) (padding -1, the topk tail, or any value validation rejects)
+    becomes ``n_kv``, the all-zero sentinel row. One pass; the kernels rely on this range."""
+    k = indices.shape[-1]
+    if k % block:
+        indices = F.pad(indices, (0, block - k % block), value=-1)
+    return torch.where((indices >= 0) & (indices < n_kv), indices, n_kv).to(torch.int32).contiguous()
 
 
 def _pad_topk(indices: torch.Tensor, block: int) -> torch.Tensor:
@@ -127,6 +140,9 @@ class TileLangBackend:
     def _kv_for_kernel(self, kv):
         return _with_sentinel_row(kv) if self.safe else kv.contiguous()
 
+    def _indices_for_kernel(self, indices, n_kv, block):
+        return kernel_indices(indices, n_kv, block) if self.safe else _pad_topk(indices, block)
+
     def _geometry(self, q, kv, minimum):
         H, G = q.shape[2], kv.shape[2]
         hg = H // G
@@ -140,7 +156,7 @@ class TileLangBackend:
         qp = _pad_heads(q, G, hg, hg_pad)
         small = hg_pad == 16
         block = self.fwd_block_16 if small else BLOCK_TOPK
-        idx = _pad_topk(indices, block)
+        idx = self._indices_for_kernel(indices, kv.shape[1], block)
         B, T, Hp, Dqk = qp.shape
         kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
                                        block_i=block, threads=self.fwd_threads_16 if small else 256)
@@ -160,7 +176,7 @@ class TileLangBackend:
         dop = _pad_heads(grad_out, G, hg, hg_pad)
         lsep = _pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
         deltap = _pad_heads(delta.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
-        idx = _pad_topk(indices, BLOCK_TOPK)
+        idx = self._indices_for_kernel(indices, kv.shape[1], BLOCK_TOPK)
         B, T, Hp, Dqk = qp.shape
         kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
         blocks = _leading_blocks(idx, kv.shape[1], bwd_block_slots(hg_pad))

@@ -3,14 +3,17 @@
 Fixes over the vendored copies (each applies when ``safe=True``, the only mode the backend uses;
 ``safe=False`` exists so the benchmark can measure what the fixes cost):
   * padding slots: the host appends one all-zero *sentinel* row to kv (row T_kv of a
-    [B, T_kv + 1, G, Dqk] tensor). A slot whose index is not in [0, T_kv) gathers that row:
-    the address is always a real row and the loaded key/value is exactly zero, with no
-    data-dependent branch on the load itself (so the gathers stay asynchronous copies).
-    Its score is -inf; it issues no dKV atomic (its dKV rows are exact zeros anyway);
+    [B, T_kv + 1, G, Dqk] tensor) and, in the same pass that pads topk, rewrites every slot
+    outside [0, T_kv) (-1 padding, and anything index validation would reject) to T_kv
+    (``tilelang_backend.kernel_indices``, plain torch). The kernels therefore read indices in
+    [0, T_kv] only: every gather address is a real row, the padding key/value is exactly zero,
+    and no data-dependent branch sits on the load itself (the gathers stay asynchronous copies).
+    A slot is valid iff its index < T_kv: its score is -inf otherwise, and it issues no dKV
+    atomic (its dKV rows are exact zeros anyway);
   * rows with no valid slot: out = 0, lse = EMPTY_ROW_LSE (finite), hence P = 0 and dq = 0;
   * no reliance on TileLang's safe-memory legalisation (it is disabled below, on purpose):
     every global access is in bounds by construction (one query row per block, heads padded
-    by the host wrapper, topk padded to a multiple of the block);
+    and indices rewritten by the host wrapper, topk padded to a multiple of the block);
   * the aggressive shared-memory merge is explicitly off: in 0.1.9-0.1.10 it aliased the dKV
     staging buffer with the live Q tile and produced NaN dq/dkv from finite inputs.
 
@@ -56,22 +59,19 @@ def bwd_block_slots(heads_per_group: int) -> int:
     return 32 if head_block(heads_per_group) == 64 else 64
 
 
-def valid_slot(idx, n_rows):
+def valid_slot(idx, n_rows, safe):
+    """safe: host-rewritten indices in [0, n_rows], n_rows = the sentinel. Not safe: raw indices
+    with -1 padding (the vendored kernels' convention, for measuring what the fixes cost)."""
+    if safe:
+        return idx < n_rows
     return (idx >= 0) & (idx < n_rows)
-
-
-def gather_row(idx, n_rows, safe):
-    """Row of the sentinel-extended kv ([n_rows + 1] rows) that a slot reads: idx, or the zero row."""
-    if not safe:
-        return idx
-    return T.if_then_else(valid_slot(idx, n_rows), idx, n_rows)
 
 
 @functools.lru_cache(maxsize=None)
 def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_i=BLOCK_TOPK,
                           num_stages=2, threads=256, target="cuda"):
     """Q [B,T,H,Dqk] bf16, KV [B,T_kv+1,G,Dqk] bf16 (last row zero; T_kv rows when not safe),
-    Indices [B,T,G,topk] i32 -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log)."""
+    Indices [B,T,G,topk] i32 in [0, T_kv] (T_kv = padding; -1 padding when not safe) -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log)."""
     assert topk % block_i == 0 and heads % kv_group == 0
     hg = heads // kv_group
     h_blk = head_block(hg)
@@ -111,18 +111,16 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             T.fill(m, _MASK_INIT)
             s = bx // rep
             h0 = g * hg + (bx % rep) * h_blk
-            # tile copies (not element loops) for the q tile and the out/lse stores: the element-loop
-            # form returned wrong rows 8..15 of 16-row head tiles on TileLang 0.1.15
             T.copy(Q[b, s, h0 : h0 + h_blk, :D], q_s)
             T.copy(Q[b, s, h0 : h0 + h_blk, D:], qt_s)
 
             for i in T.Pipelined(NI, num_stages=num_stages):
                 for j in T.Parallel(BI):
-                    valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv)
+                    valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv, safe)
                 for j, d in T.Parallel(BI, D):
-                    kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, safe), g, d]
+                    kv_s[j, d] = KV[b, Indices[b, s, g, i * BI + j], g, d]
                 for j, d in T.Parallel(BI, DT):
-                    kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, safe), g, D + d]
+                    kt_s[j, d] = KV[b, Indices[b, s, g, i * BI + j], g, D + d]
 
                 for h, j in T.Parallel(h_blk, BI):
                     acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
@@ -227,14 +225,14 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             # pure padding after them are skipped, not computed as zeros
             for i in T.serial(T.min(Blocks[b, s, g], NS)):
                 for j in T.Parallel(BS):
-                    valid[j] = valid_slot(Indices[b, s, g, i * BS + j], n_kv)
+                    valid[j] = valid_slot(Indices[b, s, g, i * BS + j], n_kv, safe)
                 for j, d in T.Parallel(BS, D):
-                    kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, d]
+                    kv_s[j, d] = KV[b, Indices[b, s, g, i * BS + j], g, d]
                 for h, j in T.Parallel(h_blk, BS):
                     acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
                 T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 for j, d in T.Parallel(BS, DT):
-                    kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, D + d]
+                    kt_s[j, d] = KV[b, Indices[b, s, g, i * BS + j], g, D + d]
                 T.gemm(qt_s, kt_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
 
                 for h, j in T.Parallel(h_blk, BS):
@@ -260,15 +258,15 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                     # padding slots hold exact-zero dKV rows and issue no atomic: otherwise every one
                     # of them would serialise on the same (sentinel) address
                     for j, d in T.Parallel(R, D // 4):
-                        if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv):
+                        if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv, safe):
                             T.atomic_addx4(
-                                dKV[b, gather_row(Indices[b, s, g, i * BS + j + part * R], n_kv, safe), g, d * 4],
+                                dKV[b, Indices[b, s, g, i * BS + j + part * R], g, d * 4],
                                 dkv_s[j, d * 4],
                             )
                     for j, d in T.Parallel(R, DT // 4):
-                        if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv):
+                        if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv, safe):
                             T.atomic_addx4(
-                                dKV[b, gather_row(Indices[b, s, g, i * BS + j + part * R], n_kv, safe), g, D + d * 4],
+                                dKV[b, Indices[b, s, g, i * BS + j + part * R], g, D + d * 4],
                                 dkvt_s[j, d * 4],
                             )
 
