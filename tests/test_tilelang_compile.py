@@ -27,6 +27,13 @@ def test_kernels_build_for_sm90(heads, kv_group, d_v):
     assert PASS_CONFIGS[key.TL_DISABLE_SAFE_MEMORY_ACCESS] is True
 
 
+def test_deterministic_backward_builds_without_atomics():
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel
+
+    src = sparse_mla_bwd_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90, dkv_per_slot=True).get_kernel_source()
+    assert "AtomicAdd" not in src
+
+
 def test_unsupported_split_rejected_before_compiling():
     from glm5_dsa_plugin.ops.tilelang_kernels import check_split
 

@@ -24,6 +24,12 @@ for bad in (float("nan"), float("inf"), -float("inf")):
         flag_nonfinite(y, f, 2); assert f.tolist() == [0, 0, 1], (bad, pos, f)
 z = torch.full((5, 7), 3e38, dtype=torch.float32); f = torch.zeros(1, dtype=torch.int32)
 flag_nonfinite(z, f, 0); assert f.item() == 0, "huge but finite must not be flagged"
+from glm5_dsa_plugin.ops.triton_helpers import segment_sum_rows
+for N, R, D in [(1000, 37, 576), (5, 3, 70), (40, 1, 64)]:
+    c = torch.randn(N, D, generator=g); k = torch.randint(0, R, (N,), generator=g)
+    out = torch.randn(R, D, generator=g); want = out.double().index_add(0, k, c.double())
+    segment_sum_rows(c, k, out)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
 print("OK")
 """
 

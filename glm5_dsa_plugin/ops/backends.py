@@ -110,3 +110,16 @@ def _tilelang_factory() -> Backend:
 
 register_backend("reference", ReferenceBackend)
 register_backend("tilelang", _tilelang_factory)
+
+
+def deterministic_variant(impl: Backend, device: torch.device) -> Backend:
+    """The backend whose backward is bitwise reproducible, or a clear error when there is none."""
+    if isinstance(impl, ReferenceBackend):
+        if device.type != "cpu":
+            raise ValueError("sparse_mla(deterministic=True): the reference backend accumulates dkv with "
+                             "index_add_ (atomics) on CUDA; use backend='tilelang' or CPU tensors")
+        return impl
+    make = getattr(impl, "deterministic_variant", None)
+    if make is None:
+        raise ValueError(f"sparse_mla(deterministic=True): backend {impl.name!r} has no deterministic mode")
+    return make()

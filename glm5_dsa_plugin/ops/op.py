@@ -38,6 +38,7 @@ def sparse_mla(
     backend: str = "auto",
     *,
     validate: bool = True,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse multi-head latent attention over top-k selected keys (GLM-5 / DeepSeek DSA).
 
@@ -58,6 +59,9 @@ def sparse_mla(
             read the flag after the kernel, with the nonfinite guard's, and raise before returning;
             others check before any kernel runs. Only trusted callers that already guarantee the
             index rule should pass False.
+        deterministic: dq/dkv bitwise identical from run to run (TileLang: dKV reduced per kv row
+            in a fixed order instead of fp32 atomics; slower, see benchmarks/NOTES.md; the
+            reference is deterministic on CPU only). The forward is deterministic either way.
 
     Returns:
         ``out [.., T, H, d_v]`` in q's dtype, where for row t, head h:
@@ -72,6 +76,8 @@ def sparse_mla(
     """
     q4, kv4, idx4, prob = canonicalize(q, kv, indices, sm_scale, d_v)
     impl = _backends.resolve(backend, q4.device)
+    if deterministic:
+        impl = _backends.deterministic_variant(impl, q4.device)
     index_flag = None
     if validate:
         if getattr(impl, "memory_safe_on_any_index", False):

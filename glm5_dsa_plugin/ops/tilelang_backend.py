@@ -106,11 +106,19 @@ class TileLangBackend:
     name = "tilelang"
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
-                 fwd_block_16: int = 64):
+                 fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30):
         self.safe = safe
+        # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
+        # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
+        self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
         self.fwd_min_heads = fwd_min_heads
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
+
+    def deterministic_variant(self) -> "TileLangBackend":
+        """The same kernels with a backward whose dq/dkv are bitwise reproducible."""
+        return TileLangBackend(self.safe, self.fwd_min_heads, self.fwd_threads_16, self.fwd_block_16,
+                               deterministic=True, slot_buffer_bytes=self.slot_buffer_bytes)
 
     @property
     def memory_safe_on_any_index(self) -> bool:
@@ -178,11 +186,48 @@ class TileLangBackend:
         deltap = _pad_heads(delta.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
         idx = self._indices_for_kernel(indices, kv.shape[1], BLOCK_TOPK)
         B, T, Hp, Dqk = qp.shape
-        kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
         blocks = _leading_blocks(idx, kv.shape[1], bwd_block_slots(hg_pad))
         kv_k = self._kv_for_kernel(kv)
+        if self.deterministic:
+            dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, deltap, blocks, G, hg_pad,
+                                                   sm_scale, d_v)
+            return _unpad_heads(dq, G, hg, hg_pad), dkv[:, : kv.shape[1]].to(kv.dtype)
+        kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
         dq = torch.empty_like(qp)
         dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=kv.device)
         if T > 0:
             kernel(qp, kv_k, dop, idx, lsep, deltap, blocks, dq, dkv)
         return _unpad_heads(dq, G, hg, hg_pad), dkv[:, : kv.shape[1]].to(kv.dtype)
+
+    def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, deltap, blocks, G, hg_pad, sm_scale, d_v):
+        """dq as usual (one block per query row, no atomics); dkv from per-slot contributions summed
+        per kv row by ``segment_sum_rows`` in slot order, chunk after chunk of query rows."""
+        from .tilelang_kernels import head_block, sparse_mla_bwd_kernel
+        from .triton_helpers import segment_sum_rows
+
+        if not self.safe:
+            raise ValueError("deterministic mode needs safe=True (host-rewritten indices)")
+        B, T, Hp, Dqk = qp.shape
+        K, n_kv = idx.shape[-1], kv_k.shape[1] - 1
+        nh = hg_pad // head_block(hg_pad)
+        kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), self.safe, dkv_per_slot=True)
+        dq = torch.empty_like(qp)
+        dkv = torch.zeros(B * kv_k.shape[1] * G, Dqk, dtype=torch.float32, device=qp.device)
+        rows = max(1, self.slot_buffer_bytes // (B * G * nh * K * Dqk * 4))
+        dev = qp.device
+        b_off = (torch.arange(B, device=dev) * kv_k.shape[1]).view(B, 1, 1, 1)
+        g_off = torch.arange(G, device=dev).view(1, 1, G, 1)
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            part = lambda x: x[:, t0:t1].contiguous()  # noqa: E731
+            idx_c = part(idx)
+            slots = torch.empty(B, t1 - t0, G * nh, K, Dqk, dtype=torch.float32, device=dev)
+            dq_c = torch.empty(B, t1 - t0, Hp, Dqk, dtype=qp.dtype, device=dev)
+            kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(deltap), part(blocks), dq_c, slots)
+            dq[:, t0:t1] = dq_c
+            # slot (b, t, g*nh + hb, j) adds to kv row (b, idx[b, t, g, j], g)
+            key = ((b_off + idx_c.long()) * G + g_off).unsqueeze(3).expand(B, t1 - t0, G, nh, K).reshape(-1)
+            valid = (idx_c < n_kv).unsqueeze(3).expand(B, t1 - t0, G, nh, K).reshape(-1)
+            src = valid.nonzero().squeeze(1)
+            segment_sum_rows(slots.view(-1, Dqk), key[src], dkv, src=src)
+        return dq, dkv.view(B, kv_k.shape[1], G, Dqk)

@@ -162,11 +162,14 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 
 @functools.lru_cache(maxsize=None)
 def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_s=None, threads=256,
-                          target="cuda"):
+                          target="cuda", dkv_per_slot=False):
     """Q [B,T,H,Dqk], KV [B,T_kv+1,G,Dqk] (as forward), dO [B,T,H,d_v] bf16, Indices [B,T,G,topk],
     Lse [B,T,H] f32 (natural), Delta [B,T,H] f32 = rowsum(O*dO), Blocks [B,T,G] i32 = number of
     leading BS-slot blocks to process (1 + last block holding a valid slot; 0 for an empty row)
-    -> dQ [B,T,H,Dqk] bf16 (written), dKV [B,T_kv+1,G,Dqk] f32 (accumulated atomically; caller zeroes)."""
+    -> dQ [B,T,H,Dqk] bf16 (written), dKV [B,T_kv+1,G,Dqk] f32 (accumulated atomically; caller zeroes).
+    ``dkv_per_slot`` (deterministic mode): no atomics; instead dKV [B,T,G*nh,topk,Dqk] f32 receives each
+    slot's contribution from each head block (nh = head blocks per group), written for the processed
+    blocks only; the host reduces it per kv row in a fixed order."""
     assert heads % kv_group == 0
     hg = heads // kv_group
     h_blk = head_block(hg)
@@ -180,6 +183,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     dtype, acc = T.bfloat16, T.float32
     B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
     n_kv = SKV1 - 1 if safe else SKV1
+    dkv_shape = [B, S, kv_group * nh, topk, D + DT] if dkv_per_slot else [B, SKV1, kv_group, D + DT]
 
     @T.prim_func
     def bwd(
@@ -191,7 +195,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
         Delta: T.Tensor([B, S, heads], acc),
         Blocks: T.Tensor([B, S, kv_group], T.int32),
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
-        dKV: T.Tensor([B, SKV1, kv_group, D + DT], acc),
+        dKV: T.Tensor(dkv_shape, acc),
     ):
         with T.Kernel(S, B, kv_group * nh, threads=threads) as (s, b, bz):
             g = bz // nh
@@ -248,27 +252,33 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                 T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(dp_s, qt_s, acc_dkvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
 
-                for part in range(split):
+                if dkv_per_slot:
                     for j, d in T.Parallel(BS, D):
-                        if j < R:
-                            dkv_s[j, d] = acc_dkv[j + part * R, d]
+                        dKV[b, s, bz, i * BS + j, d] = acc_dkv[j, d]
                     for j, d in T.Parallel(BS, DT):
-                        if j < R:
-                            dkvt_s[j, d] = acc_dkvt[j + part * R, d]
-                    # padding slots hold exact-zero dKV rows and issue no atomic: otherwise every one
-                    # of them would serialise on the same (sentinel) address
-                    for j, d in T.Parallel(R, D // 4):
-                        if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv, safe):
-                            T.atomic_addx4(
-                                dKV[b, Indices[b, s, g, i * BS + j + part * R], g, d * 4],
-                                dkv_s[j, d * 4],
-                            )
-                    for j, d in T.Parallel(R, DT // 4):
-                        if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv, safe):
-                            T.atomic_addx4(
-                                dKV[b, Indices[b, s, g, i * BS + j + part * R], g, D + d * 4],
-                                dkvt_s[j, d * 4],
-                            )
+                        dKV[b, s, bz, i * BS + j, D + d] = acc_dkvt[j, d]
+                else:
+                    for part in range(split):
+                        for j, d in T.Parallel(BS, D):
+                            if j < R:
+                                dkv_s[j, d] = acc_dkv[j + part * R, d]
+                        for j, d in T.Parallel(BS, DT):
+                            if j < R:
+                                dkvt_s[j, d] = acc_dkvt[j + part * R, d]
+                        # padding slots hold exact-zero dKV rows and issue no atomic: otherwise every one
+                        # of them would serialise on the same (sentinel) address
+                        for j, d in T.Parallel(R, D // 4):
+                            if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv, safe):
+                                T.atomic_addx4(
+                                    dKV[b, Indices[b, s, g, i * BS + j + part * R], g, d * 4],
+                                    dkv_s[j, d * 4],
+                                )
+                        for j, d in T.Parallel(R, DT // 4):
+                            if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv, safe):
+                                T.atomic_addx4(
+                                    dKV[b, Indices[b, s, g, i * BS + j + part * R], g, D + d * 4],
+                                    dkvt_s[j, d * 4],
+                                )
 
             for h, d in T.Parallel(h_blk, D):
                 dQ[b, s, h0 + h, d] = acc_dq[h, d]

@@ -60,3 +60,45 @@ def flag_nonfinite(x: torch.Tensor, flags: torch.Tensor, slot: int, block: int =
     n = x.numel()
     if n:
         _nonfinite_kernel[(triton.cdiv(n, block),)](x.view(-1), n, flags, slot, BLOCK=block)
+
+
+@triton.jit
+def _segment_sum_kernel(C, SRC, SEG_START, SEG_ROW, OUT, D: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr):
+    seg = tl.program_id(0)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cmask = cols < D
+    start = tl.load(SEG_START + seg)
+    end = tl.load(SEG_START + seg + 1)
+    acc = tl.zeros([BD], dtype=tl.float32)
+    p0 = start
+    while p0 < end:  # (a while loop: Triton's CPU interpreter cannot run range() over loaded bounds)
+        p = p0 + tl.arange(0, BP)
+        pmask = p < end
+        src = tl.load(SRC + p, mask=pmask, other=0)
+        x = tl.load(C + src[:, None] * D + cols[None, :], mask=pmask[:, None] & cmask[None, :], other=0.0)
+        acc += tl.sum(x, axis=0)
+        p0 += BP
+    row = tl.load(SEG_ROW + seg)
+    optr = OUT + row * D + cols
+    tl.store(optr, tl.load(optr, mask=cmask, other=0.0) + acc, mask=cmask)
+
+
+def segment_sum_rows(contrib: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,
+                     src: torch.Tensor | None = None, block_p: int = 16) -> None:
+    """Deterministic scatter-add: ``out[keys[i]] += contrib[src[i]]`` for every i (src defaults to i).
+
+    contrib [N, D] fp32, keys / src [M] int64, out [R, D] fp32. Entries are grouped by key with a
+    stable sort and each key's group is summed by one program in position order (blocks of
+    ``block_p`` rows reduced by a fixed tree): bitwise identical from run to run, unlike
+    atomics. No two programs write the same row of ``out``."""
+    if keys.numel() == 0:
+        return
+    D = contrib.shape[1]
+    sorted_keys, order = torch.sort(keys, stable=True)
+    src = order if src is None else src[order]
+    seg_rows, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+    seg_start = torch.zeros(seg_rows.numel() + 1, dtype=torch.int64, device=keys.device)
+    torch.cumsum(counts, 0, out=seg_start[1:])
+    BD = 64
+    grid = (seg_rows.numel(), triton.cdiv(D, BD))
+    _segment_sum_kernel[grid](contrib.contiguous(), src, seg_start, seg_rows, out, D=D, BP=block_p, BD=BD)
