@@ -263,6 +263,20 @@ def main():
             fn()
         torch.cuda.synchronize()
         extra[f"host_us_per_call_{label}"] = (time.perf_counter() - t0) / 200 * 1e6
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        sparse_mla(tq, tkv, tidx, SCALE, backend="tilelang")[0].backward(tg)
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
+        f.write(buf.getvalue())
 
     extra.update(guard_repair_cost(gen))
     indexer_rows = indexer_speed(gen, args.indexer_lengths)

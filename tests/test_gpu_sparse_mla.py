@@ -206,7 +206,7 @@ def test_deterministic_backward_is_bitwise_reproducible_and_exact(H, G):
                               replace=True)
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, K = 1024, 512
-    idx = w2_indices(T, K, gen)[:, None].expand(T, G, K).contiguous()
+    idx = w2_indices(T, K, gen).expand(T, G, K).contiguous()  # [T, 1, K] -> every group
     q = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     kv = torch.randn(T, G, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -36,9 +36,10 @@ def _import_status() -> tuple[bool, str]:
 
 
 # Smallest head tile per kernel. The forward with a 16-row head tile (mma m16 path) gives wrong
-# rows 8..15 for some topk/d_v on TileLang 0.1.15 (measured on the H200 twice, with element-loop
-# and with tile-copy q loads/out stores; see benchmarks/NOTES.md), so the forward pads heads per
-# group to >= 32; the backward's 16-row tile is verified and kept.
+# rows 8..15 for some topk/d_v on TileLang 0.1.15 (measured on the H200 with element-loop and
+# with tile-copy q loads/out stores; the tile-copy form also broke 32-row tiles at topk 192,
+# see benchmarks/NOTES.md), so the forward pads heads per group to >= 32; the backward's
+# 16-row tile is verified and kept.
 FWD_MIN_HEADS = 32
 BWD_MIN_HEADS = 16
 

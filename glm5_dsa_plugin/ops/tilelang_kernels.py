@@ -111,8 +111,10 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             T.fill(m, _MASK_INIT)
             s = bx // rep
             h0 = g * hg + (bx % rep) * h_blk
-            T.copy(Q[b, s, h0 : h0 + h_blk, :D], q_s)
-            T.copy(Q[b, s, h0 : h0 + h_blk, D:], qt_s)
+            for h, d in T.Parallel(h_blk, D):
+                q_s[h, d] = Q[b, s, h0 + h, d]
+            for h, d in T.Parallel(h_blk, DT):
+                qt_s[h, d] = Q[b, s, h0 + h, D + d]
 
             for i in T.Pipelined(NI, num_stages=num_stages):
                 for j in T.Parallel(BI):
@@ -154,8 +156,10 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                     acc_o[h, d] = acc_o[h, d] / row_sum[h]
                 for h in T.Parallel(h_blk):
                     row_sum[h] = (T.log2(row_sum[h]) + m[h] * scale2) * LN2
-            T.copy(acc_o, Out[b, s, h0 : h0 + h_blk, :])
-            T.copy(row_sum, Lse[b, s, h0 : h0 + h_blk])
+            for h, d in T.Parallel(h_blk, D):
+                Out[b, s, h0 + h, d] = acc_o[h, d]
+            for h in T.Parallel(h_blk):
+                Lse[b, s, h0 + h] = row_sum[h]
 
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
 
