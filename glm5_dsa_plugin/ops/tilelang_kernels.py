@@ -5,11 +5,11 @@ Fixes over the vendored copies (each applies when ``safe=True``, the only mode t
   * padding slots: the host appends one all-zero *sentinel* row to kv (row T_kv of a
     [B, T_kv + 1, G, Dqk] tensor) and, in the same pass that pads topk, rewrites every slot
     outside [0, T_kv) (-1 padding, and anything index validation would reject) to T_kv
-    (``tilelang_backend.kernel_indices``, plain torch). The kernels therefore read indices in
-    [0, T_kv] only: every gather address is a real row, the padding key/value is exactly zero,
-    and no data-dependent branch sits on the load itself (the gathers stay asynchronous copies).
-    A slot is valid iff its index < T_kv: its score is -inf otherwise, and it issues no dKV
-    atomic (its dKV rows are exact zeros anyway);
+    (``tilelang_backend.kernel_indices``, plain torch). The kernels also select the sentinel
+    themselves for any index outside [0, T_kv) (``gather_row``), so they stay in bounds on their
+    own: every gather address is a real row, the padding key/value is exactly zero, and no
+    data-dependent branch sits on the load itself (the gathers stay asynchronous copies).
+    A slot outside [0, T_kv) scores -inf and issues no dKV atomic (its dKV rows are exact zeros);
   * rows with no valid slot: out = 0, lse = EMPTY_ROW_LSE (finite), hence P = 0 and dq = 0;
   * no reliance on TileLang's safe-memory legalisation (it is disabled below, on purpose):
     every global access is in bounds by construction (one query row per block, heads padded
@@ -59,19 +59,26 @@ def bwd_block_slots(heads_per_group: int) -> int:
     return 32 if head_block(heads_per_group) == 64 else 64
 
 
-def valid_slot(idx, n_rows, safe):
-    """safe: host-rewritten indices in [0, n_rows], n_rows = the sentinel. Not safe: raw indices
-    with -1 padding (the vendored kernels' convention, for measuring what the fixes cost)."""
-    if safe:
-        return idx < n_rows
+def valid_slot(idx, n_rows):
+    """A slot is valid iff its index is a real kv row (the same test in both modes)."""
     return (idx >= 0) & (idx < n_rows)
+
+
+def gather_row(idx, n_rows, safe):
+    """Row of the sentinel-extended kv that a slot reads. The host already rewrote invalid slots
+    to the sentinel; the in-kernel select keeps the kernel in bounds on its own as well (and this
+    formulation is the one proven on the H200: a direct gather of the rewritten indices returned
+    wrong out for 16 heads per group at topk 192 on TileLang 0.1.15)."""
+    if not safe:
+        return idx
+    return T.if_then_else(valid_slot(idx, n_rows), idx, n_rows)
 
 
 @functools.lru_cache(maxsize=None)
 def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_i=BLOCK_TOPK,
                           num_stages=2, threads=256, target="cuda"):
     """Q [B,T,H,Dqk] bf16, KV [B,T_kv+1,G,Dqk] bf16 (last row zero; T_kv rows when not safe),
-    Indices [B,T,G,topk] i32 in [0, T_kv] (T_kv = padding; -1 padding when not safe) -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log)."""
+    Indices [B,T,G,topk] i32 (host-rewritten to [0, T_kv], T_kv = padding; -1 padding when not safe) -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log)."""
     assert topk % block_i == 0 and heads % kv_group == 0
     hg = heads // kv_group
     h_blk = head_block(hg)
@@ -118,11 +125,11 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 
             for i in T.Pipelined(NI, num_stages=num_stages):
                 for j in T.Parallel(BI):
-                    valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv, safe)
+                    valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv)
                 for j, d in T.Parallel(BI, D):
-                    kv_s[j, d] = KV[b, Indices[b, s, g, i * BI + j], g, d]
+                    kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, safe), g, d]
                 for j, d in T.Parallel(BI, DT):
-                    kt_s[j, d] = KV[b, Indices[b, s, g, i * BI + j], g, D + d]
+                    kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, safe), g, D + d]
 
                 for h, j in T.Parallel(h_blk, BI):
                     acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
@@ -233,14 +240,14 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             # pure padding after them are skipped, not computed as zeros
             for i in T.serial(T.min(Blocks[b, s, g], NS)):
                 for j in T.Parallel(BS):
-                    valid[j] = valid_slot(Indices[b, s, g, i * BS + j], n_kv, safe)
+                    valid[j] = valid_slot(Indices[b, s, g, i * BS + j], n_kv)
                 for j, d in T.Parallel(BS, D):
-                    kv_s[j, d] = KV[b, Indices[b, s, g, i * BS + j], g, d]
+                    kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, d]
                 for h, j in T.Parallel(h_blk, BS):
                     acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
                 T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 for j, d in T.Parallel(BS, DT):
-                    kt_s[j, d] = KV[b, Indices[b, s, g, i * BS + j], g, D + d]
+                    kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, D + d]
                 T.gemm(qt_s, kt_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
 
                 for h, j in T.Parallel(h_blk, BS):
@@ -272,15 +279,15 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                         # padding slots hold exact-zero dKV rows and issue no atomic: otherwise every one
                         # of them would serialise on the same (sentinel) address
                         for j, d in T.Parallel(R, D // 4):
-                            if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv, safe):
+                            if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv):
                                 T.atomic_addx4(
-                                    dKV[b, Indices[b, s, g, i * BS + j + part * R], g, d * 4],
+                                    dKV[b, gather_row(Indices[b, s, g, i * BS + j + part * R], n_kv, safe), g, d * 4],
                                     dkv_s[j, d * 4],
                                 )
                         for j, d in T.Parallel(R, DT // 4):
-                            if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv, safe):
+                            if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv):
                                 T.atomic_addx4(
-                                    dKV[b, Indices[b, s, g, i * BS + j + part * R], g, D + d * 4],
+                                    dKV[b, gather_row(Indices[b, s, g, i * BS + j + part * R], n_kv, safe), g, D + d * 4],
                                     dkvt_s[j, d * 4],
                                 )
 
