@@ -40,3 +40,18 @@ def test_unsupported_split_rejected_before_compiling():
     with pytest.raises(ValueError, match=r"supports \(d_v, d_tail\)"):
         check_split(384, 64)
     check_split(512, 64)
+
+
+@pytest.mark.parametrize("heads", [16, 32])
+def test_small_head_forward_has_a_barrier_before_the_p_tile_write(heads):
+    """16/32-row head tiles: TileLang 0.1.15 aliases reduce_sum's cross-warp workspace with p_s;
+    every write of p_s must come after a block-wide barrier (else a fast warp clobbers partial
+    row sums that a slow warp is still reading)."""
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
+
+    src = sparse_mla_fwd_kernel(heads, 512, 64, 192, 1, 256**-0.5, target=SM90).get_kernel_source()
+    lines = [ln.strip() for ln in src.splitlines() if ln.strip()]
+    writes = [i for i, ln in enumerate(lines) if "stmatrix" in ln and "p_s" in ln]
+    assert writes, "expected stmatrix writes of the P tile"
+    for i in writes:
+        assert lines[i - 1] == "__syncthreads();", lines[i - 1]

@@ -147,6 +147,14 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                     row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
                 for h, d in T.Parallel(h_blk, D):
                     acc_o[h, d] = acc_o[h, d] * alpha[h]
+                if h_blk < 64:
+                    # TileLang 0.1.15 places reduce_sum's cross-warp workspace at p_s's address for
+                    # 16- and 32-row head tiles (mma path; the 64-row wgmma tile keeps them apart)
+                    # and emits no barrier between the reduction's last workspace read and this
+                    # write, so a fast warp can overwrite partial row sums a slow warp is still
+                    # reading. Seen in the generated CUDA; matches the wrong rows 8..15 of 16-row
+                    # tiles and the intermittent 32-row failures at topk 192.
+                    T.sync_threads()
                 T.copy(acc_s, p_s)
                 T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
