@@ -95,6 +95,24 @@ def guard_repair_cost(gen, frac=0.01):
         return {"guard_repair_error": f"{type(exc).__name__}: {exc}"}
 
 
+def write_host_profile(q, kv, idx, g, path, calls=50):
+    """cProfile of `calls` tiny fwd+bwd calls (host time: what a host sync exposes)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        sparse_mla(q, kv, idx, SCALE, backend="tilelang")[0].backward(g)
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+
+
 def indexer_speed(gen, lengths: str):
     """Lightning indexer scores + top-k (2048) at GLM-5 sizes: ours vs megatron-core's naive path."""
     rows = []
@@ -131,6 +149,7 @@ def main():
     ap.add_argument("--reference", default="W1:64,W2:8", help="workload:H pairs where the slow reference is timed")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--indexer-lengths", default="4096,16384", help="T for the indexer comparison ('' to skip)")
+    ap.add_argument("--host-profile", action="store_true", help="also write $OUT/host_profile.txt (cProfile)")
     args = ap.parse_args()
 
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -263,20 +282,8 @@ def main():
             fn()
         torch.cuda.synchronize()
         extra[f"host_us_per_call_{label}"] = (time.perf_counter() - t0) / 200 * 1e6
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(50):
-        sparse_mla(tq, tkv, tidx, SCALE, backend="tilelang")[0].backward(tg)
-    torch.cuda.synchronize()
-    prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
-        f.write(buf.getvalue())
+    if args.host_profile:
+        write_host_profile(tq, tkv, tidx, tg, os.path.join(args.out, "host_profile.txt"))
 
     extra.update(guard_repair_cost(gen))
     indexer_rows = indexer_speed(gen, args.indexer_lengths)
