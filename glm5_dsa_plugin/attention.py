@@ -223,7 +223,8 @@ class GLM5DSAttention(MegatronModule):
 
         G = kv_att.shape[1]
         out, _ = sparse_mla(q_att, kv_att, indices[:, None, :].expand(-1, G, -1).contiguous(),
-                            self.softmax_scale, d_v=d_v, backend=backend)  # [b*s, H, d_v]
+                            self.softmax_scale, d_v=d_v, backend=backend,
+                            deterministic=bool(getattr(self.config, "deterministic_mode", False)))  # [b*s, H, d_v]
         if index_logits is not None:
             out = self._attach_indexer_loss(out, index_logits, q_att, kv_att[:, 0], indices)
         if absorbed:

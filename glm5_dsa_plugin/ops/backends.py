@@ -115,9 +115,11 @@ register_backend("tilelang", _tilelang_factory)
 def deterministic_variant(impl: Backend, device: torch.device) -> Backend:
     """The backend whose backward is bitwise reproducible, or a clear error when there is none."""
     if isinstance(impl, ReferenceBackend):
-        if device.type != "cpu":
-            raise ValueError("sparse_mla(deterministic=True): the reference backend accumulates dkv with "
-                             "index_add_ (atomics) on CUDA; use backend='tilelang' or CPU tensors")
+        # the reference accumulates dkv with index_add_, which is deterministic on CPU and, on CUDA,
+        # only under torch.use_deterministic_algorithms(True) (megatron's --deterministic-mode sets it)
+        if device.type != "cpu" and not torch.are_deterministic_algorithms_enabled():
+            raise ValueError("sparse_mla(deterministic=True): the reference backend's index_add_ uses atomics on "
+                             f"{device.type}; use backend='tilelang' or torch.use_deterministic_algorithms(True)")
         return impl
     make = getattr(impl, "deterministic_variant", None)
     if make is None:

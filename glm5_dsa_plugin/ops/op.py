@@ -61,7 +61,9 @@ def sparse_mla(
             index rule should pass False.
         deterministic: dq/dkv bitwise identical from run to run (TileLang: dKV reduced per kv row
             in a fixed order instead of fp32 atomics; slower, see benchmarks/NOTES.md; the
-            reference is deterministic on CPU only). The forward is deterministic either way.
+            reference is deterministic on CPU, and on CUDA under torch.use_deterministic_algorithms).
+            The forward is deterministic either way. The Megatron attention module passes
+            ``config.deterministic_mode``.
 
     Returns:
         ``out [.., T, H, d_v]`` in q's dtype, where for row t, head h:
