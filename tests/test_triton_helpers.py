@@ -69,3 +69,35 @@ def test_kernel_indices_map_every_invalid_slot_to_the_sentinel():
     assert got.dtype == torch.int32 and got.shape == (1, 1, 1, 8)
     assert got.flatten().tolist() == [0, 49, 50, 50, 50, 50, 3, 50]
     assert _leading_blocks(got, T_kv, 4).item() == 2
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 2), T=st.integers(1, 5), G=st.integers(1, 3), nblk=st.integers(1, 4),
+       blk=st.sampled_from([1, 4, 64]), T_kv=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_kernel_indices_properties(B, T, G, nblk, blk, T_kv, seed):
+    """Any int32 input: output in [0, T_kv], valid slots unchanged, everything else the sentinel,
+    topk padded to a multiple of the block; the block count covers exactly the last valid slot."""
+    g = torch.Generator().manual_seed(seed)
+    K = max(1, nblk * blk - int(torch.randint(0, blk, (1,), generator=g)))
+    pool = torch.tensor([-2**31, -7, -1, T_kv, T_kv + 1, 2**31 - 1], dtype=torch.int32)
+    idx = torch.randint(0, T_kv, (B, T, G, K), generator=g, dtype=torch.int32)
+    wild = torch.rand(idx.shape, generator=g) < 0.4
+    idx[wild] = pool[torch.randint(0, len(pool), (int(wild.sum()),), generator=g)]
+    out = kernel_indices(idx, T_kv, blk)
+    assert out.dtype == torch.int32 and out.shape[-1] % blk == 0 and out.shape[-1] - K < blk
+    assert int(out.min()) >= 0 and int(out.max()) <= T_kv
+    valid = (idx >= 0) & (idx < T_kv)
+    head = out[..., :K]
+    assert torch.equal(head[valid], idx[valid]) and bool((head[~valid] == T_kv).all())
+    assert bool((out[..., K:] == T_kv).all())
+    counts = _leading_blocks(out, T_kv, blk)
+    ok = out < T_kv
+    for b in range(B):
+        for t in range(T):
+            for gg in range(G):
+                pos = ok[b, t, gg].nonzero()
+                assert counts[b, t, gg].item() == (0 if pos.numel() == 0 else int(pos.max()) // blk + 1)
