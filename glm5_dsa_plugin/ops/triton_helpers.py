@@ -5,7 +5,9 @@
 * ``flag_nonfinite(x, flags, slot)``: sets ``flags[slot] = 1`` (int32, device) when ``x`` holds a
   NaN or +-inf, with no host sync; several tensors share one flags buffer so a caller reads
   all of its checks with one small device-to-host copy.
-Both run under ``TRITON_INTERPRET=1`` on CPU (how CI tests them).
+* ``segment_sum_rows(contrib, keys, out, src)``: deterministic scatter-add (the deterministic
+  backward's dKV reduction), one program per destination row, fixed summation order.
+All run under ``TRITON_INTERPRET=1`` on CPU (how CI tests them).
 """
 
 from __future__ import annotations
