@@ -13,3 +13,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_deterministic_backend():
+    """Registers "no_det": the reference's math behind a backend with no deterministic mode."""
+    from glm5_dsa_plugin.ops import register_backend
+    from glm5_dsa_plugin.ops.backends import ReferenceBackend, unregister_backend
+
+    class NoDeterministic:
+        name = "no_det"
+        _ref = ReferenceBackend()
+
+        def available(self):
+            return True, "test"
+
+        def forward(self, *a):
+            return self._ref.forward(*a)
+
+        def backward(self, *a):
+            return self._ref.backward(*a)
+
+    register_backend("no_det", NoDeterministic, replace=True)
+    yield "no_det"
+    unregister_backend("no_det")

@@ -208,35 +208,12 @@ def test_lse_is_fp32_natural_log_and_not_differentiable():
     torch.testing.assert_close(lse, torch.logsumexp(s, -1).float())
 
 
-def test_deterministic_flag():
-    from glm5_dsa_plugin.ops import register_backend
-    from glm5_dsa_plugin.ops.backends import ReferenceBackend, unregister_backend
-
+def test_deterministic_flag(no_deterministic_backend):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(6, 2, 12, generator=gen, dtype=torch.float64, requires_grad=True)
     kv = torch.randn(9, 1, 12, generator=gen, dtype=torch.float64, requires_grad=True)
     idx = torch.randint(-1, 9, (6, 1, 4), generator=gen, dtype=torch.int32)
     sparse_mla(q, kv, idx, 0.3, d_v=8, deterministic=True)[0].sum().backward()  # CPU reference: deterministic
-
-    class NoDeterministic:
-        """A backend with no deterministic mode (delegates to the reference)."""
-
-        name = "no_det"
-        _ref = ReferenceBackend()
-
-        def available(self):
-            return True, "test"
-
-        def forward(self, *a):
-            return self._ref.forward(*a)
-
-        def backward(self, *a):
-            return self._ref.backward(*a)
-
-    register_backend("no_det", NoDeterministic, replace=True)
-    try:
-        with pytest.raises(ValueError, match="backend 'no_det' has no deterministic mode"):
-            sparse_mla(q, kv, idx, 0.3, d_v=8, backend="no_det", deterministic=True)
-        sparse_mla(q, kv, idx, 0.3, d_v=8, backend="no_det")
-    finally:
-        unregister_backend("no_det")
+    with pytest.raises(ValueError, match="backend 'no_det' has no deterministic mode"):
+        sparse_mla(q, kv, idx, 0.3, d_v=8, backend=no_deterministic_backend, deterministic=True)
+    sparse_mla(q, kv, idx, 0.3, d_v=8, backend=no_deterministic_backend)

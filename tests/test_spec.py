@@ -170,39 +170,19 @@ def test_tiny_model_with_mtp_thd_forward_backward(megatron_single_process, forbi
     assert len(forbid_megatron_dsa_kernels) == 5  # 4 decoder layers + the MTP layer, all ours
 
 
-def test_deterministic_mode_reaches_sparse_mla(megatron_single_process, monkeypatch):
+def test_deterministic_mode_reaches_sparse_mla(megatron_single_process, monkeypatch, no_deterministic_backend):
     """config.deterministic_mode (megatron's --deterministic-mode) selects sparse_mla's deterministic
     backward: a backend without one is refused, the reference (CPU) runs."""
-    from glm5_dsa_plugin.ops import register_backend
-    from glm5_dsa_plugin.ops.backends import ReferenceBackend, unregister_backend
-
-    class NoDeterministic:
-        name = "no_det"
-        _ref = ReferenceBackend()
-
-        def available(self):
-            return True, "test"
-
-        def forward(self, *a):
-            return self._ref.forward(*a)
-
-        def backward(self, *a):
-            return self._ref.backward(*a)
-
-    register_backend("no_det", NoDeterministic, replace=True)
-    try:
-        for det in (False, True):
-            card, cfg = tiny_config(deterministic_mode=det)
-            model = build(cfg, card)
-            monkeypatch.setattr(GLM5DSAttention, "backend", "no_det")
-            B, S = 2, 24
-            tok = torch.randint(0, card["vocab_size"], (B, S))
-            labels = torch.randint(0, card["vocab_size"], (B, S))
-            run = lambda: model(tok, torch.arange(S)[None].expand(B, S), None, labels=labels)  # noqa: E731
-            if det:
-                with pytest.raises(ValueError, match="has no deterministic mode"):
-                    run()
-                monkeypatch.setattr(GLM5DSAttention, "backend", "reference")
-            assert torch.isfinite(run()).all()
-    finally:
-        unregister_backend("no_det")
+    for det in (False, True):
+        card, cfg = tiny_config(deterministic_mode=det)
+        model = build(cfg, card)
+        monkeypatch.setattr(GLM5DSAttention, "backend", no_deterministic_backend)
+        B, S = 2, 24
+        tok = torch.randint(0, card["vocab_size"], (B, S))
+        labels = torch.randint(0, card["vocab_size"], (B, S))
+        run = lambda: model(tok, torch.arange(S)[None].expand(B, S), None, labels=labels)  # noqa: E731
+        if det:
+            with pytest.raises(ValueError, match="has no deterministic mode"):
+                run()
+            monkeypatch.setattr(GLM5DSAttention, "backend", "reference")
+        assert torch.isfinite(run()).all()
