@@ -129,13 +129,18 @@ def canonicalize(q, kv, indices, sm_scale, d_v) -> tuple[torch.Tensor, torch.Ten
     return q, kv, indices, prob
 
 
+def _bad_index_mask(indices: torch.Tensor, seq_len_kv: int) -> torch.Tensor:
+    """bool, same shape: entries outside {-1} U [0, T_kv) (the one index rule)."""
+    return (indices < PAD_INDEX) | (indices >= seq_len_kv)
+
+
 def index_violation_flag(indices: torch.Tensor, seq_len_kv: int) -> torch.Tensor:
     """int32 [1] on the indices' device, nonzero when some index is outside {-1} U [0, T_kv).
 
     No host sync: a backend whose kernels are memory-safe for any index value reads this flag
     together with its own checks after the kernel (one sync per call instead of two) and then
     calls :func:`check_indices` for the message; every other backend validates before running."""
-    return ((indices < PAD_INDEX) | (indices >= seq_len_kv)).any().to(torch.int32).view(1)
+    return _bad_index_mask(indices, seq_len_kv).any().to(torch.int32).view(1)
 
 
 def check_indices(indices: torch.Tensor, seq_len_kv: int, name: str = "indices") -> None:
@@ -143,7 +148,7 @@ def check_indices(indices: torch.Tensor, seq_len_kv: int, name: str = "indices")
 
     indices [B, T, G, topk] int32. One fused device reduction and a single host read of a flag.
     """
-    bad = (indices < PAD_INDEX) | (indices >= seq_len_kv)
+    bad = _bad_index_mask(indices, seq_len_kv)
     if not bool(bad.any()):
         return
     pos = bad.flatten().nonzero()[0].item()

@@ -156,12 +156,21 @@ def _flag_nonfinite(t: torch.Tensor, flags: torch.Tensor, slot: int) -> None:
         flags[slot : slot + 1] += (~torch.isfinite(t)).any().to(torch.int32)
 
 
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    """One finiteness pass per tensor, one host read."""
-    flags = torch.zeros(1, dtype=torch.int32, device=tensors[0].device)
+def _read_flags(device: torch.device, index_flag: torch.Tensor | None,
+                tensors: tuple[torch.Tensor, ...]) -> tuple[bool, bool]:
+    """(index rule violated, some tensor nonfinite): one finiteness pass per tensor into one int32
+    buffer, one host read for both. ``index_flag`` may be None (validation not deferred)."""
+    flags = torch.zeros(2, dtype=torch.int32, device=device)
+    if index_flag is not None:
+        flags[0:1].copy_(index_flag)
     for t in tensors:
-        _flag_nonfinite(t, flags, 0)
-    return flags.item() == 0
+        _flag_nonfinite(t, flags, 1)
+    bad_index, nonfinite = flags.tolist()
+    return bool(bad_index), bool(nonfinite)
+
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    return not _read_flags(tensors[0].device, None, tensors)[1]
 
 
 def _bad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -177,13 +186,7 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, index_flag: torch.Tensor
     check = _cfg.policy != "off" and backend.name != "reference"
     if not check and index_flag is None:
         return out, lse
-    flags = torch.zeros(2, dtype=torch.int32, device=out.device)
-    if index_flag is not None:
-        flags[0:1].copy_(index_flag)
-    if check:
-        _flag_nonfinite(out, flags, 1)
-        _flag_nonfinite(lse, flags, 1)
-    bad_index, nonfinite = flags.tolist()  # the call's one host read
+    bad_index, nonfinite = _read_flags(out.device, index_flag, (out, lse) if check else ())  # the one host read
     if bad_index:
         check_indices(indices, kv.shape[1])
         raise SparseMLAInputError("sparse_mla: indices hold an entry outside {-1} U [0, T_kv)")

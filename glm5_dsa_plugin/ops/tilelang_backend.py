@@ -74,13 +74,12 @@ def kernel_indices(indices: torch.Tensor, n_kv: int, block: int) -> torch.Tensor
     """[B, T, G, K] int32 -> [B, T, G, ceil(K / block) * block] int32 with values in [0, n_kv]:
     every slot outside [0, n_kv) (padding -1, the topk tail, or any value validation rejects)
     becomes ``n_kv``, the all-zero sentinel row. One pass; the kernels rely on this range."""
-    k = indices.shape[-1]
-    if k % block:
-        indices = F.pad(indices, (0, block - k % block), value=-1)
-    return torch.where((indices >= 0) & (indices < n_kv), indices, n_kv).to(torch.int32).contiguous()
+    indices = _pad_topk(indices, block)
+    return torch.where((indices >= 0) & (indices < n_kv), indices, n_kv).to(torch.int32)
 
 
 def _pad_topk(indices: torch.Tensor, block: int) -> torch.Tensor:
+    """[..., K] -> [..., ceil(K / block) * block] with -1 slots appended (contiguous)."""
     k = indices.shape[-1]
     if k % block == 0:
         return indices.contiguous()
