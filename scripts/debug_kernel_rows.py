@@ -1,23 +1,34 @@
-"""Small-head forward check: 16-row head tiles (the default) vs heads padded to 32, row by row
-against the reference on the configurations that once failed, then W2-like H=8/16 timing."""
+"""Forward variants on the H200: head tile (16 vs 32 rows for <= 16 heads per group) x gather form
+(in-kernel select vs direct gather of the host-rewritten indices). Each is checked row by row
+against the reference on the configurations that once failed (wrong rows 8..15 of 16-row tiles,
+32-row tiles at topk 192), then timed: W2-like H=8/16 and W1 H64 (fix cost vs safe=False)."""
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton.testing
 
 from glm5_dsa_plugin.ops import reference as ref
 from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
-from glm5_dsa_plugin.ops.workloads import w2_indices
+from glm5_dsa_plugin.ops.workloads import w1_indices, w2_indices
 
 
-def check(be, B, T, T_kv, H, G, topk, d_v, seed, pad=0.3):
+def inputs(B, T, T_kv, H, G, topk, d_v, seed, pad=0.3):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, T, H, d_v + 64, generator=gen, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(B, T_kv, G, d_v + 64, generator=gen, device="cuda", dtype=torch.bfloat16)
     idx = torch.randint(0, T_kv, (B, T, G, topk), generator=gen, device="cuda", dtype=torch.int32)
     idx[torch.rand(idx.shape, generator=gen, device="cuda") < pad] = -1
+    return q, kv, idx
+
+
+def check(be, case, seed):
+    d_v = case[-1]
+    q, kv, idx = inputs(*case, seed=seed)
     o, _ = be.forward(q, kv, idx, 0.0625, d_v)
     r, _ = ref.forward(q.float(), kv.float(), idx, 0.0625, d_v)
-    err = ((o.float() - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-6))
+    err = (o.float() - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-6)
     return int((err > 1e-2).sum()), ((o.float() - r).norm() / r.norm()).item()
 
 
@@ -25,13 +36,36 @@ cases = [(1, 200, 512, 32, 2, 192, 512), (1, 200, 512, 16, 1, 192, 512), (1, 160
          (1, 300, 400, 8, 1, 320, 512), (2, 129, 300, 16, 1, 2048, 512), (1, 64, 100, 8, 1, 64, 512)]
 T = 4096
 w2 = w2_indices(T, 2048, torch.Generator(device="cuda").manual_seed(0))[None]
-for min_heads in (16, 32):
-    be = TileLangBackend(fwd_min_heads=min_heads)
-    bad = [check(be, *c, seed=s) for c in cases for s in (0, 1, 2)]
-    line = f"fwd min_heads={min_heads}: bad rows {sum(b for b, _ in bad)}, max rel {max(e for _, e in bad):.2e}"
-    for H in (8, 16):
-        q = torch.randn(1, T, H, 576, device="cuda", dtype=torch.bfloat16)
-        kv = torch.randn(1, T, 1, 576, device="cuda", dtype=torch.bfloat16)
-        ms = triton.testing.do_bench(lambda: be.forward(q, kv, w2, 0.0625, 512), return_mode="median")
-        line += f", W2 H{H} fwd kernel {ms:.3f} ms"
-    print(line, flush=True)
+w1 = w1_indices(T, 8192, 2048, torch.Generator(device="cuda").manual_seed(0))[None]
+variants = {(mh, sel): TileLangBackend(fwd_min_heads=mh, fwd_select_in_kernel=sel)
+            for mh, sel in itertools.product((16, 32), (True, False))}
+variants["unsafe"] = TileLangBackend(safe=False)
+
+
+def warm(job):  # compile every kernel up front, nvcc runs in parallel
+    be, case = job
+    q, kv, idx = inputs(*case, seed=0)
+    be.forward(q, kv, idx, 0.0625, case[-1])
+
+
+w2_case = lambda H: (1, T, T, H, 1, 2048, 512)  # noqa: E731
+jobs = [(be, c) for k, be in variants.items() if k != "unsafe" for c in cases + [w2_case(8), w2_case(16)]]
+jobs += [(be, (1, 64, 8192, 64, 1, 2048, 512)) for be in variants.values()]
+with ThreadPoolExecutor(8) as ex:
+    list(ex.map(warm, jobs))
+torch.cuda.synchronize()
+
+for key, be in variants.items():
+    line = f"fwd {key}:"
+    if key != "unsafe":
+        bad = [check(be, c, s) for c in cases for s in (0, 1, 2)]
+        line += f" bad rows {sum(b for b, _ in bad)}, max rel {max(e for _, e in bad):.2e}"
+        for H in (8, 16):
+            q = torch.randn(1, T, H, 576, device="cuda", dtype=torch.bfloat16)
+            kv = torch.randn(1, T, 1, 576, device="cuda", dtype=torch.bfloat16)
+            ms = triton.testing.do_bench(lambda: be.forward(q, kv, w2, 0.0625, 512), return_mode="median")
+            line += f", W2 H{H} fwd {ms:.3f} ms"
+    q = torch.randn(1, T, 64, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 8192, 1, 576, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: be.forward(q, kv, w1, 0.0625, 512), return_mode="median")
+    print(line + f", W1 H64 fwd {ms:.3f} ms", flush=True)

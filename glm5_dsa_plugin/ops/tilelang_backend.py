@@ -106,8 +106,12 @@ class TileLangBackend:
     name = "tilelang"
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
-                 fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30):
+                 fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
+                 fwd_select_in_kernel: bool = True):
         self.safe = safe
+        # forward gathers: map invalid indices to the sentinel in the kernel too (True), or trust
+        # kernel_indices' rewrite alone (False; measured as the cheaper form, see NOTES)
+        self.fwd_select_in_kernel = fwd_select_in_kernel
         # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
         # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
         self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
@@ -118,7 +122,8 @@ class TileLangBackend:
     def deterministic_variant(self) -> "TileLangBackend":
         """The same kernels with a backward whose dq/dkv are bitwise reproducible."""
         return TileLangBackend(self.safe, self.fwd_min_heads, self.fwd_threads_16, self.fwd_block_16,
-                               deterministic=True, slot_buffer_bytes=self.slot_buffer_bytes)
+                               deterministic=True, slot_buffer_bytes=self.slot_buffer_bytes,
+                               fwd_select_in_kernel=self.fwd_select_in_kernel)
 
     @property
     def memory_safe_on_any_index(self) -> bool:
@@ -167,7 +172,8 @@ class TileLangBackend:
         idx = self._indices_for_kernel(indices, kv.shape[1], block)
         B, T, Hp, Dqk = qp.shape
         kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
-                                       block_i=block, threads=self.fwd_threads_16 if small else 256)
+                                       block_i=block, threads=self.fwd_threads_16 if small else 256,
+                                       select_in_kernel=self.fwd_select_in_kernel)
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
         if T > 0:

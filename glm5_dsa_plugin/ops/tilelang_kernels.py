@@ -64,21 +64,23 @@ def valid_slot(idx, n_rows):
     return (idx >= 0) & (idx < n_rows)
 
 
-def gather_row(idx, n_rows, safe):
+def gather_row(idx, n_rows, select):
     """Row of the sentinel-extended kv that a slot reads. The host already rewrote invalid slots
-    to the sentinel; the in-kernel select keeps the kernel in bounds on its own as well (and this
-    formulation is the one proven on the H200: a direct gather of the rewritten indices returned
-    wrong out for 16 heads per group at topk 192 on TileLang 0.1.15)."""
-    if not safe:
+    to the sentinel (row ``n_rows``); with ``select`` the kernel also maps any index outside
+    [0, n_rows) to the sentinel itself, so it stays in bounds even without the host rewrite.
+    Without it (``safe=False``, or the forward's ``select_in_kernel=False``) the index is used as is."""
+    if not select:
         return idx
     return T.if_then_else(valid_slot(idx, n_rows), idx, n_rows)
 
 
 @functools.lru_cache(maxsize=None)
 def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_i=BLOCK_TOPK,
-                          num_stages=2, threads=256, target="cuda"):
+                          num_stages=2, threads=256, target="cuda", select_in_kernel=True):
     """Q [B,T,H,Dqk] bf16, KV [B,T_kv+1,G,Dqk] bf16 (last row zero; T_kv rows when not safe),
-    Indices [B,T,G,topk] i32 (host-rewritten to [0, T_kv], T_kv = padding; -1 padding when not safe) -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log)."""
+    Indices [B,T,G,topk] i32 (host-rewritten to [0, T_kv], T_kv = padding; -1 padding when not safe) -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log).
+    ``select_in_kernel=False`` gathers the host-rewritten indices directly (no per-element select;
+    in bounds only because ``kernel_indices`` ran)."""
     assert topk % block_i == 0 and heads % kv_group == 0
     hg = heads // kv_group
     h_blk = head_block(hg)
@@ -89,6 +91,7 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     dtype, acc = T.bfloat16, T.float32
     B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
     n_kv = SKV1 - 1 if safe else SKV1  # real kv rows
+    select = safe and select_in_kernel
 
     @T.prim_func
     def fwd(
@@ -127,9 +130,9 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                 for j in T.Parallel(BI):
                     valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv)
                 for j, d in T.Parallel(BI, D):
-                    kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, safe), g, d]
+                    kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, d]
                 for j, d in T.Parallel(BI, DT):
-                    kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, safe), g, D + d]
+                    kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, D + d]
 
                 for h, j in T.Parallel(h_blk, BI):
                     acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
