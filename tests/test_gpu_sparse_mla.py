@@ -124,8 +124,8 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
 def test_nan_guard_regions_untouched():
     """Every buffer the kernels touch sits inside NaN-filled guard regions (safe-memory pass off):
     results finite and exact, every guard element unchanged after forward and backward."""
-    from glm5_dsa_plugin.ops.tilelang_backend import _leading_blocks, kernel_indices
-    from glm5_dsa_plugin.ops.tilelang_kernels import bwd_block_slots, sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, T_kv, H, D, K, GUARD = 300, 257, 64, 576, 128, 1 << 16
@@ -151,14 +151,16 @@ def test_nan_guard_regions_untouched():
     idx[:, 5] = -1
     out_buf, out = guarded((1, T, H, 512), torch.bfloat16)
     lse_buf, lse = guarded((1, T, H), torch.float32)
-    kidx = kernel_indices(idx, T_kv, 64)  # the backend's host-side rewrite: values in [0, T_kv]
-    sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE)(q, kv, kidx, out, lse)
+    kidx, extent = prepare_indices(idx, T_kv, K)  # the backend's rewrite: values in [0, T_kv]
+    # the forward as the backend runs it: direct gathers of the rewritten indices, two buckets
+    for blocks in ((0, 1), (1, 2)):
+        sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE, select_in_kernel=False, blocks=blocks)(
+            q, kv, kidx, extent, out, lse)
     dq_buf, dq = guarded((1, T, H, D), torch.bfloat16)
     dkv_buf, dkv = guarded((1, T_kv + 1, 1, D), torch.float32, torch.zeros(1, T_kv + 1, 1, D, device="cuda"))
     do = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     delta = (out.float() * do.float()).sum(-1)
-    blocks = _leading_blocks(kidx, T_kv, bwd_block_slots(H))
-    sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE)(q, kv, do, kidx, lse, delta, blocks, dq, dkv)
+    sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE)(q, kv, do, kidx, lse, delta, extent, dq, dkv)
     torch.cuda.synchronize()
     for name, buf, inner in (("kv", kv_buf, kv), ("out", out_buf, out), ("lse", lse_buf, lse),
                              ("dq", dq_buf, dq), ("dkv", dkv_buf, dkv)):

@@ -11,6 +11,7 @@ from glm5_dsa_plugin.ops import configure, guard_stats, register_backend, reset_
 from glm5_dsa_plugin.ops import guard
 from glm5_dsa_plugin.ops import reference as ref
 from glm5_dsa_plugin.ops.backends import ReferenceBackend, unregister_backend
+from glm5_dsa_plugin.ops.contract import index_violation_flag
 from sparse_mla_cases import make_indices
 
 NAN = float("nan")
@@ -206,8 +207,9 @@ class IndexSafeReference(ReferenceBackend):
     memory_safe_on_any_index = True
     forward_calls = 0
 
-    def forward(self, q, kv, indices, sm_scale, d_v):
+    def forward(self, q, kv, indices, sm_scale, d_v, index_flag):
         type(self).forward_calls += 1
+        index_flag += index_violation_flag(indices, kv.shape[1])
         clean = indices.masked_fill((indices < -1) | (indices >= kv.shape[1]), -1)
         return super().forward(q, kv, clean, sm_scale, d_v)
 

@@ -27,6 +27,21 @@ def test_kernels_build_for_sm90(heads, kv_group, d_v):
     assert PASS_CONFIGS[key.TL_DISABLE_SAFE_MEMORY_ACCESS] is True
 
 
+def test_bucketed_forward_keeps_async_gathers():
+    """A launch for one bucket of rows (lo, hi] wraps the whole body in the row test; the pipelined
+    loop inside must still gather with cp.async, and a row outside the bucket writes nothing."""
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
+
+    full = sparse_mla_fwd_kernel(64, 512, 64, 2048, 1, 256**-0.5, target=SM90, select_in_kernel=False)
+    part = sparse_mla_fwd_kernel(64, 512, 64, 2048, 1, 256**-0.5, target=SM90, select_in_kernel=False,
+                                 blocks=(8, 16))
+    fsrc, psrc = full.get_kernel_source(), part.get_kernel_source()
+    assert "cp_async" in psrc and "Extent" in psrc
+    assert fsrc != psrc
+    with pytest.raises(AssertionError):
+        sparse_mla_fwd_kernel(64, 512, 64, 2048, 1, 256**-0.5, target=SM90, blocks=(16, 40))
+
+
 def test_deterministic_backward_builds_without_atomics():
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel
 

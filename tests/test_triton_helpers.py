@@ -1,5 +1,7 @@
-"""Backward preprocessing (row delta), the guard's finiteness flag and the backward's per-row
-block count, on CPU (Triton kernels through the interpreter in a subprocess)."""
+"""The small Triton kernels on CPU (through the interpreter, in a subprocess): backward
+preprocessing (row delta), the guard's finiteness flag, the deterministic segment sum, and the
+TileLang backend's index preparation (rewrite, extent, index-rule flag) against a torch oracle
+built from the contract's index rule."""
 
 import os
 import subprocess
@@ -7,7 +9,6 @@ import sys
 
 import torch
 
-from glm5_dsa_plugin.ops.tilelang_backend import _leading_blocks, kernel_indices
 
 SCRIPT = r"""
 import torch
@@ -24,6 +25,13 @@ for bad in (float("nan"), float("inf"), -float("inf")):
         flag_nonfinite(y, f, 2); assert f.tolist() == [0, 0, 1], (bad, pos, f)
 z = torch.full((5, 7), 3e38, dtype=torch.float32); f = torch.zeros(1, dtype=torch.int32)
 flag_nonfinite(z, f, 0); assert f.item() == 0, "huge but finite must not be flagged"
+# two tensors of different dtypes in one launch: a bad value in either is seen
+for which in (0, 1):
+    a, b = x.clone(), torch.randn(3000, generator=g)
+    (a if which == 0 else b)[-1] = float("nan"); f = torch.zeros(2, dtype=torch.int32)
+    flag_nonfinite(a, f, 1, b); assert f.tolist() == [0, 1], which
+f = torch.zeros(2, dtype=torch.int32); flag_nonfinite(x, f, 1, torch.randn(3000, generator=g))
+assert f.tolist() == [0, 0]
 from glm5_dsa_plugin.ops.triton_helpers import segment_sum_rows
 for N, R, D in [(1000, 37, 576), (5, 3, 70), (40, 1, 64)]:
     c = torch.randn(N, D, generator=g); k = torch.randint(0, R, (N,), generator=g)
@@ -34,70 +42,68 @@ print("OK")
 """
 
 
-def test_row_delta_and_nonfinite_flag_in_interpreter():
+def _interpret(script):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
-def test_leading_blocks_counts_through_the_last_valid_slot():
-    g = torch.Generator().manual_seed(0)
-    B, T, G, K, blk, T_kv = 2, 9, 2, 256, 64, 50
-    idx = torch.randint(0, T_kv, (B, T, G, K), generator=g, dtype=torch.int32)
-    idx[torch.rand(idx.shape, generator=g) < 0.5] = -1  # padding anywhere, not only at the tail
-    idx[0, 0, 0] = -1  # empty row
-    idx[0, 1, 0, :] = -1
-    idx[0, 1, 0, 130] = 7  # one valid slot in the third block
-    idx[1, 2, 1, :] = -1
-    idx[1, 2, 1, 255] = T_kv  # invalid index is not a valid slot (it will be rejected by validation)
-    got = _leading_blocks(idx, T_kv, blk)
-    valid = (idx >= 0) & (idx < T_kv)
-    for b in range(B):
-        for t in range(T):
-            for gg in range(G):
-                pos = valid[b, t, gg].nonzero()
-                want = 0 if pos.numel() == 0 else int(pos.max()) // blk + 1
-                assert got[b, t, gg].item() == want
-    assert got[0, 0, 0] == 0 and got[0, 1, 0] == 3 and got[1, 2, 1] == 0
+def test_row_delta_and_nonfinite_flag_in_interpreter():
+    _interpret(SCRIPT)
 
 
-def test_kernel_indices_map_every_invalid_slot_to_the_sentinel():
-    T_kv = 50
-    idx = torch.tensor([[[[0, 49, -1, 50, -7, 2**31 - 1, 3]]]], dtype=torch.int32)
-    got = kernel_indices(idx, T_kv, 4)
-    assert got.dtype == torch.int32 and got.shape == (1, 1, 1, 8)
-    assert got.flatten().tolist() == [0, 49, 50, 50, 50, 50, 3, 50]
-    assert _leading_blocks(got, T_kv, 4).item() == 2
+PREPARE = r"""
+import torch
+from glm5_dsa_plugin.ops.contract import _bad_index_mask
+from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
+
+def oracle(idx, n_kv, k_pad):
+    valid = (idx >= 0) & (idx < n_kv)
+    out = torch.full((*idx.shape[:-1], k_pad), n_kv, dtype=torch.int32)
+    out[..., : idx.shape[-1]] = torch.where(valid, idx, n_kv)
+    pos = torch.arange(1, idx.shape[-1] + 1, dtype=torch.int32)
+    return out, (valid * pos).amax(-1).to(torch.int32), int(_bad_index_mask(idx, n_kv).any())
+
+g = torch.Generator().manual_seed(0)
+pool = torch.tensor([-2**31, -7, -1, -1, 2**31 - 1], dtype=torch.int32)
+cases = [((2, 9, 2, 256), 256, 50, 0.5), ((1, 3, 1, 7), 64, 5, 0.4), ((1, 4, 3, 2048), 2048, 4096, 0.3),
+         ((2, 2, 1, 100), 1088, 30, 0.0), ((1, 5, 1, 1), 64, 1, 0.9)]
+for shape, k_pad, n_kv, wild_frac in cases:
+    for check in (True, False):
+        idx = torch.randint(0, n_kv, shape, generator=g, dtype=torch.int32)
+        idx[torch.rand(shape, generator=g) < 0.4] = -1  # padding anywhere, not only at the tail
+        wild = torch.rand(shape, generator=g) < wild_frac * 0.1
+        p = pool.clone(); p[-1] = n_kv  # == T_kv: the classic off-by-one
+        idx[wild] = p[torch.randint(0, len(p), (int(wild.sum()),), generator=g)]
+        idx[0, 0, 0] = -1  # an empty row
+        flags = torch.zeros(2, dtype=torch.int32)
+        out, ext = prepare_indices(idx, n_kv, k_pad, flags if check else None)
+        w_out, w_ext, w_bad = oracle(idx, n_kv, k_pad)
+        assert torch.equal(out, w_out) and torch.equal(ext, w_ext), (shape, k_pad, n_kv)
+        assert ext[0, 0, 0].item() == 0
+        assert flags.tolist() == ([w_bad, 0] if check else [0, 0]), (flags, w_bad, check)
+        assert int(out.min()) >= 0 and int(out.max()) <= n_kv
+print("OK")
+"""
 
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+def test_prepare_indices_matches_the_index_rule_in_interpreter():
+    """Every slot outside [0, T_kv) (padding, negatives, T_kv, 2^31-1) becomes the sentinel T_kv,
+    valid slots are kept, topk is padded, extent = 1 + last valid position, the flag is set
+    exactly when the contract's rule is broken (and only when asked)."""
+    _interpret(PREPARE)
 
 
-@settings(max_examples=60, deadline=None)
-@given(B=st.integers(1, 2), T=st.integers(1, 5), G=st.integers(1, 3), nblk=st.integers(1, 4),
-       blk=st.sampled_from([1, 4, 64]), T_kv=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
-def test_kernel_indices_properties(B, T, G, nblk, blk, T_kv, seed):
-    """Any int32 input: output in [0, T_kv], valid slots unchanged, everything else the sentinel,
-    topk padded to a multiple of the block; the block count covers exactly the last valid slot."""
-    g = torch.Generator().manual_seed(seed)
-    K = max(1, nblk * blk - int(torch.randint(0, blk, (1,), generator=g)))
-    pool = torch.tensor([-2**31, -7, -1, T_kv, T_kv + 1, 2**31 - 1], dtype=torch.int32)
-    idx = torch.randint(0, T_kv, (B, T, G, K), generator=g, dtype=torch.int32)
-    wild = torch.rand(idx.shape, generator=g) < 0.4
-    idx[wild] = pool[torch.randint(0, len(pool), (int(wild.sum()),), generator=g)]
-    out = kernel_indices(idx, T_kv, blk)
-    assert out.dtype == torch.int32 and out.shape[-1] % blk == 0 and out.shape[-1] - K < blk
-    assert int(out.min()) >= 0 and int(out.max()) <= T_kv
-    valid = (idx >= 0) & (idx < T_kv)
-    head = out[..., :K]
-    assert torch.equal(head[valid], idx[valid]) and bool((head[~valid] == T_kv).all())
-    assert bool((out[..., K:] == T_kv).all())
-    counts = _leading_blocks(out, T_kv, blk)
-    ok = out < T_kv
-    for b in range(B):
-        for t in range(T):
-            for gg in range(G):
-                pos = ok[b, t, gg].nonzero()
-                assert counts[b, t, gg].item() == (0 if pos.numel() == 0 else int(pos.max()) // blk + 1)
+def test_forward_buckets_cover_every_row_once():
+    from glm5_dsa_plugin.ops.tilelang_backend import forward_buckets
+
+    for n_blocks in (1, 2, 3, 7, 32, 64):
+        for buckets in (1, 2, 4, 8):
+            parts = forward_buckets(n_blocks, buckets)
+            assert parts[0][0] == 0 and parts[-1][1] == n_blocks and len(parts) <= buckets
+            assert all(lo < hi for lo, hi in parts)
+            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous: every count in one bucket
+    assert forward_buckets(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+
+

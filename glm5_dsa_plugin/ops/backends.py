@@ -20,6 +20,11 @@ from . import reference
 
 
 class Backend(Protocol):
+    """A sparse-MLA implementation. A backend whose kernels are memory-safe for *any* index value
+    may set ``memory_safe_on_any_index = True``; it then receives ``forward(..., index_flag=f)``
+    (int32 [1] on the device, zero) and must make ``f`` nonzero when some index lies outside
+    {-1} U [0, T_kv), without a host sync: the guard reads it after the kernel, with its own flag."""
+
     name: str
 
     def available(self) -> tuple[bool, str]: ...

@@ -4,8 +4,9 @@ Policy (per process): env ``GLM5_DSA_NONFINITE=fallback|raise|off`` or :func:`co
 
 Detection: after each fast-backend call, one device-side finiteness pass over the outputs
 (out/lse forward, dq/dkv backward; Triton on CUDA) into an int32 flag buffer and a single host
-read of it. In the forward the same read also carries the deferred index-validation flag (see
-``contract.index_violation_flag``), so a validated, guarded call syncs once per direction.
+read of it. In the forward the same read also carries the deferred index-validation flag (set by
+a backend memory-safe for any index, see ``backends.Backend``), so a validated, guarded call
+syncs once per direction.
 
 Repair method (``fallback``):
   * forward: the query rows (b, t) whose out or lse holds a nonfinite value are recomputed
@@ -145,32 +146,27 @@ def _event(kind: str, backend, inputs: dict, bad: dict, n_rows: int) -> str | No
     return path
 
 
-def _flag_nonfinite(t: torch.Tensor, flags: torch.Tensor, slot: int) -> None:
-    """flags[slot] becomes nonzero if t holds NaN/inf; device-side, no host sync.
-    CUDA: one Triton pass per tensor; elsewhere (fault-injection tests on CPU) plain torch."""
-    if t.is_cuda:
+def _flag_nonfinite(flags: torch.Tensor, slot: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
+    """flags[slot] becomes nonzero if a (or b) holds NaN/inf; device-side, no host sync.
+    CUDA: one Triton pass over both; elsewhere (fault-injection tests on CPU) plain torch."""
+    if a.is_cuda:
         from .triton_helpers import flag_nonfinite
 
-        flag_nonfinite(t, flags, slot)
-    else:
+        flag_nonfinite(a, flags, slot, b)
+        return
+    for t in (a,) if b is None else (a, b):
         flags[slot : slot + 1] += (~torch.isfinite(t)).any().to(torch.int32)
 
 
-def _read_flags(device: torch.device, index_flag: torch.Tensor | None,
-                tensors: tuple[torch.Tensor, ...]) -> tuple[bool, bool]:
-    """(index rule violated, some tensor nonfinite): one finiteness pass per tensor into one int32
-    buffer, one host read for both. ``index_flag`` may be None (validation not deferred)."""
-    flags = torch.zeros(2, dtype=torch.int32, device=device)
-    if index_flag is not None:
-        flags[0:1].copy_(index_flag)
-    for t in tensors:
-        _flag_nonfinite(t, flags, 1)
-    bad_index, nonfinite = flags.tolist()
-    return bool(bad_index), bool(nonfinite)
+def _new_flags(device: torch.device) -> torch.Tensor:
+    """int32 [2]: [index rule violated, some output nonfinite], read with one host copy."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
 
 
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    return not _read_flags(tensors[0].device, None, tensors)[1]
+def _all_finite(a: torch.Tensor, b: torch.Tensor) -> bool:
+    flags = _new_flags(a.device)
+    _flag_nonfinite(flags, 1, a, b)
+    return not flags[1].item()
 
 
 def _bad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -178,15 +174,22 @@ def _bad_rows(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t).flatten(2).all(-1)
 
 
-def run_forward(backend, q, kv, indices, sm_scale, d_v, index_flag: torch.Tensor | None = None):
-    """Forward through ``backend`` with the nonfinite check. ``index_flag`` (from
-    ``contract.index_violation_flag``, only for backends memory-safe on any index) is read in the
-    same host read as the finiteness flag; a violation raises the usual SparseMLAInputError."""
-    out, lse = backend.forward(q, kv, indices, sm_scale, d_v)
+def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool = False):
+    """Forward through ``backend`` with the nonfinite check. ``defer_index_check`` (only for
+    backends memory-safe on any index): the backend sets the index-rule flag during the call and
+    it is read in the same host read as the finiteness flag; a violation raises the usual
+    SparseMLAInputError (naming the first bad entry) instead of returning."""
     check = _cfg.policy != "off" and backend.name != "reference"
-    if not check and index_flag is None:
+    flags = _new_flags(q.device) if (check or defer_index_check) else None
+    if defer_index_check:
+        out, lse = backend.forward(q, kv, indices, sm_scale, d_v, index_flag=flags[0:1])
+    else:
+        out, lse = backend.forward(q, kv, indices, sm_scale, d_v)
+    if flags is None:
         return out, lse
-    bad_index, nonfinite = _read_flags(out.device, index_flag, (out, lse) if check else ())  # the one host read
+    if check:
+        _flag_nonfinite(flags, 1, out, lse)
+    bad_index, nonfinite = flags.tolist()  # the one host read
     if bad_index:
         check_indices(indices, kv.shape[1])
         raise SparseMLAInputError("sparse_mla: indices hold an entry outside {-1} U [0, T_kv)")

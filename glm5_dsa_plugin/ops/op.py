@@ -6,13 +6,13 @@ import torch
 
 from . import backends as _backends
 from . import guard as _guard
-from .contract import canonicalize, check_indices, index_violation_flag
+from .contract import canonicalize, check_indices
 
 
 class _SparseMLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v, backend, index_flag):
-        out, lse = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v, index_flag)
+    def forward(ctx, q, kv, indices, sm_scale, d_v, backend, defer_index_check):
+        out, lse = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check)
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.sm_scale, ctx.d_v, ctx.backend = sm_scale, d_v, backend
         ctx.mark_non_differentiable(lse)
@@ -80,13 +80,11 @@ def sparse_mla(
     impl = _backends.resolve(backend, q4.device)
     if deterministic:
         impl = _backends.deterministic_variant(impl, q4.device)
-    index_flag = None
-    if validate:
-        if getattr(impl, "memory_safe_on_any_index", False):
-            index_flag = index_violation_flag(idx4, prob.seq_len_kv)  # read after the kernel, with the guard's flag
-        else:
-            check_indices(idx4, prob.seq_len_kv)
-    out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl, index_flag)
+    # a backend memory-safe for any index checks them during the kernel (flag read with the guard's)
+    defer = validate and bool(getattr(impl, "memory_safe_on_any_index", False))
+    if validate and not defer:
+        check_indices(idx4, prob.seq_len_kv)
+    out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl, defer)
     if not prob.batched_input:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return out, lse

@@ -5,8 +5,10 @@ Padding done here (so the kernels never index past a buffer):
     (zero q gives finite scores; the padded heads' out is dropped and their dO is zero, so
     they add exactly nothing to dkv);
   * topk is padded to a multiple of ``BLOCK_TOPK`` and every slot outside [0, T_kv) is rewritten
-    to T_kv in the same pass (``kernel_indices``), so no index value a caller passes can make a
-    kernel touch memory out of bounds (validation may therefore be read after the kernel);
+    to T_kv in the same pass, which also yields each row's extent (for skipping pure-padding
+    blocks) and the index-rule flag (``triton_helpers.prepare_indices``, one launch), so no index
+    value a caller passes can make a kernel touch memory out of bounds (validation may
+    therefore be read after the kernel);
   * kv gets one all-zero sentinel row appended (row T_kv): those slots gather it
     (see tilelang_kernels). The copy is one pass over kv, small next to the kernel.
 """
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .contract import SparseMLAInputError
-from .triton_helpers import row_delta
+from .triton_helpers import prepare_indices, row_delta
 
 MIN_CAPABILITY = (9, 0)
 
@@ -35,12 +37,10 @@ def _import_status() -> tuple[bool, str]:
     return True, f"tilelang {tilelang.__version__}"
 
 
-# Smallest head tile per kernel. The forward with a 16-row head tile (mma m16 path) gives wrong
-# rows 8..15 for some topk/d_v on TileLang 0.1.15 (measured on the H200 with element-loop and
-# with tile-copy q loads/out stores; the tile-copy form also broke 32-row tiles at topk 192,
-# see benchmarks/NOTES.md), so the forward pads heads per group to >= 32; the backward's
-# 16-row tile is verified and kept.
-FWD_MIN_HEADS = 32
+# Smallest head tile per kernel (heads per kv group are zero-padded up to it). 16-row forward
+# tiles were wrong on TileLang 0.1.15 until the barrier before the P-tile write (see
+# tilelang_kernels); with it, proven on the H200 (session 3 checks.log, 0 bad rows).
+FWD_MIN_HEADS = 16
 BWD_MIN_HEADS = 16
 
 
@@ -70,14 +70,6 @@ def _unpad_heads(x: torch.Tensor, groups: int, hg: int, hg_pad: int) -> torch.Te
     return x.view(B, T, groups, hg_pad, *rest)[:, :, :, :hg].reshape(B, T, groups * hg, *rest)
 
 
-def kernel_indices(indices: torch.Tensor, n_kv: int, block: int) -> torch.Tensor:
-    """[B, T, G, K] int32 -> [B, T, G, ceil(K / block) * block] int32 with values in [0, n_kv]:
-    every slot outside [0, n_kv) (padding -1, the topk tail, or any value validation rejects)
-    becomes ``n_kv``, the all-zero sentinel row. One pass; the kernels rely on this range."""
-    indices = _pad_topk(indices, block)
-    return torch.where((indices >= 0) & (indices < n_kv), indices, n_kv).to(torch.int32)
-
-
 def _pad_topk(indices: torch.Tensor, block: int) -> torch.Tensor:
     """[..., K] -> [..., ceil(K / block) * block] with -1 slots appended (contiguous)."""
     k = indices.shape[-1]
@@ -91,13 +83,12 @@ def _with_sentinel_row(kv: torch.Tensor) -> torch.Tensor:
     return torch.cat([kv, kv.new_zeros(kv.shape[0], 1, *kv.shape[2:])], dim=1)
 
 
-def _leading_blocks(indices: torch.Tensor, n_kv: int, block: int) -> torch.Tensor:
-    """[B, T, G, K] (K % block == 0) -> [B, T, G] int32: 1 + the last ``block``-slot block that holds
-    a valid slot (0 for a row with none). The backward skips the pure-padding blocks after it."""
-    B, T, G, K = indices.shape
-    has = ((indices >= 0) & (indices < n_kv)).view(B, T, G, K // block, block).any(-1)
-    rank = torch.arange(1, K // block + 1, device=indices.device, dtype=torch.int32)
-    return (has * rank).amax(-1).to(torch.int32)
+def forward_buckets(n_blocks: int, buckets: int) -> list[tuple[int, int]]:
+    """Split [0, n_blocks] slot blocks into ``buckets`` launches (lo, hi]: a row needing b blocks
+    runs in the launch with lo < b <= hi (b = 0 in the first) and computes hi blocks, so the
+    pure-padding tail of short rows is skipped while every loop stays static and pipelined."""
+    edges = sorted({round(n_blocks * k / buckets) for k in range(buckets + 1)} | {0, n_blocks})
+    return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
 class TileLangBackend:
@@ -107,11 +98,13 @@ class TileLangBackend:
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = True):
+                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4):
         self.safe = safe
-        # forward gathers: map invalid indices to the sentinel in the kernel too (True), or trust
-        # kernel_indices' rewrite alone (False; measured as the cheaper form, see NOTES)
+        # forward gathers: trust prepare_indices' rewrite (False, the default: 2.6% fix cost at W1
+        # H64 vs 5.8% with the extra in-kernel select, session 3), or select in the kernel too
         self.fwd_select_in_kernel = fwd_select_in_kernel
+        # forward launches per call, by slot blocks needed (skips pure-padding tails; 1 = no skipping)
+        self.fwd_buckets = fwd_buckets
         # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
         # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
         self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
@@ -123,7 +116,7 @@ class TileLangBackend:
         """The same kernels with a backward whose dq/dkv are bitwise reproducible."""
         return TileLangBackend(self.safe, self.fwd_min_heads, self.fwd_threads_16, self.fwd_block_16,
                                deterministic=True, slot_buffer_bytes=self.slot_buffer_bytes,
-                               fwd_select_in_kernel=self.fwd_select_in_kernel)
+                               fwd_select_in_kernel=self.fwd_select_in_kernel, fwd_buckets=self.fwd_buckets)
 
     @property
     def memory_safe_on_any_index(self) -> bool:
@@ -150,18 +143,26 @@ class TileLangBackend:
             raise SparseMLAInputError(f"sparse_mla backend 'tilelang' needs CUDA tensors, got {q.device}")
         check_split(d_v, q.shape[-1] - d_v)
 
-    def _kv_for_kernel(self, kv):
-        return _with_sentinel_row(kv) if self.safe else kv.contiguous()
-
-    def _indices_for_kernel(self, indices, n_kv, block):
-        return kernel_indices(indices, n_kv, block) if self.safe else _pad_topk(indices, block)
+    def _prepare(self, kv, indices, block, index_flag=None):
+        """-> (kv with the zero sentinel row, kernel indices [B, T, G, K_pad] in [0, T_kv], extent
+        [B, T, G]); ``index_flag`` (int32 [1]) is set when an index breaks the rule. With
+        ``safe=False`` (fix-cost measurement only): raw -1 padding, no sentinel, full extent."""
+        k_pad = -(-indices.shape[-1] // block) * block
+        if self.safe:
+            idx, extent = prepare_indices(indices, kv.shape[1], k_pad, index_flag)
+            return _with_sentinel_row(kv), idx, extent
+        idx = _pad_topk(indices, block)
+        return kv.contiguous(), idx, torch.full(idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
 
     def _geometry(self, q, kv, minimum):
         H, G = q.shape[2], kv.shape[2]
         hg = H // G
         return G, hg, padded_heads_per_group(hg, minimum)
 
-    def forward(self, q, kv, indices, sm_scale, d_v):
+    def forward(self, q, kv, indices, sm_scale, d_v, index_flag=None):
+        """As the Backend protocol; ``index_flag`` (int32 [1], device): set to nonzero when some
+        index breaks the rule (the kernels are memory-safe for any index, so the caller reads
+        it after the call)."""
         from .tilelang_kernels import BLOCK_TOPK, sparse_mla_fwd_kernel
 
         self._check(q, kv, d_v)
@@ -169,19 +170,23 @@ class TileLangBackend:
         qp = _pad_heads(q, G, hg, hg_pad)
         small = hg_pad == 16
         block = self.fwd_block_16 if small else BLOCK_TOPK
-        idx = self._indices_for_kernel(indices, kv.shape[1], block)
+        kv_k, idx, extent = self._prepare(kv, indices, block, index_flag)
         B, T, Hp, Dqk = qp.shape
-        kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
-                                       block_i=block, threads=self.fwd_threads_16 if small else 256,
-                                       select_in_kernel=self.fwd_select_in_kernel)
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
-        if T > 0:
-            kernel(qp, self._kv_for_kernel(kv), idx, out, lse)
+        n_blocks = idx.shape[-1] // block
+        # short topk: one launch (little tail to skip, and fewer kernels to compile)
+        for lo, hi in forward_buckets(n_blocks, self.fwd_buckets if T > 0 and n_blocks >= 8 else 1):
+            kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
+                                           block_i=block, threads=self.fwd_threads_16 if small else 256,
+                                           select_in_kernel=self.fwd_select_in_kernel,
+                                           blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi))
+            if T > 0:
+                kernel(qp, kv_k, idx, extent, out, lse)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad)
 
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
-        from .tilelang_kernels import BLOCK_TOPK, bwd_block_slots, sparse_mla_bwd_kernel
+        from .tilelang_kernels import BLOCK_TOPK, sparse_mla_bwd_kernel
 
         self._check(q, kv, d_v)
         G, hg, hg_pad = self._geometry(q, kv, BWD_MIN_HEADS)
@@ -190,22 +195,20 @@ class TileLangBackend:
         dop = _pad_heads(grad_out, G, hg, hg_pad)
         lsep = _pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
         deltap = _pad_heads(delta.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
-        idx = self._indices_for_kernel(indices, kv.shape[1], BLOCK_TOPK)
+        kv_k, idx, extent = self._prepare(kv, indices, BLOCK_TOPK)
         B, T, Hp, Dqk = qp.shape
-        blocks = _leading_blocks(idx, kv.shape[1], bwd_block_slots(hg_pad))
-        kv_k = self._kv_for_kernel(kv)
         if self.deterministic:
-            dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, deltap, blocks, G, hg_pad,
+            dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, deltap, extent, G, hg_pad,
                                                    sm_scale, d_v)
             return _unpad_heads(dq, G, hg, hg_pad), dkv[:, : kv.shape[1]].to(kv.dtype)
         kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
         dq = torch.empty_like(qp)
         dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=kv.device)
         if T > 0:
-            kernel(qp, kv_k, dop, idx, lsep, deltap, blocks, dq, dkv)
+            kernel(qp, kv_k, dop, idx, lsep, deltap, extent, dq, dkv)
         return _unpad_heads(dq, G, hg, hg_pad), dkv[:, : kv.shape[1]].to(kv.dtype)
 
-    def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, deltap, blocks, G, hg_pad, sm_scale, d_v):
+    def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, deltap, extent, G, hg_pad, sm_scale, d_v):
         """dq as usual (one block per query row, no atomics); dkv from per-slot contributions summed
         per kv row by ``segment_sum_rows`` in slot order, chunk after chunk of query rows."""
         from .tilelang_kernels import head_block, sparse_mla_bwd_kernel
@@ -229,7 +232,7 @@ class TileLangBackend:
             idx_c = part(idx)
             slots = torch.empty(B, t1 - t0, G * nh, K, Dqk, dtype=torch.float32, device=dev)
             dq_c = torch.empty(B, t1 - t0, Hp, Dqk, dtype=qp.dtype, device=dev)
-            kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(deltap), part(blocks), dq_c, slots)
+            kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(deltap), part(extent), dq_c, slots)
             dq[:, t0:t1] = dq_c
             # slot (b, t, g*nh + hb, j) adds to kv row (b, idx[b, t, g, j], g)
             key = ((b_off + idx_c.long()) * G + g_off).unsqueeze(3).expand(B, t1 - t0, G, nh, K).reshape(-1)

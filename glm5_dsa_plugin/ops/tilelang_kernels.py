@@ -5,10 +5,11 @@ Fixes over the vendored copies (each applies when ``safe=True``, the only mode t
   * padding slots: the host appends one all-zero *sentinel* row to kv (row T_kv of a
     [B, T_kv + 1, G, Dqk] tensor) and, in the same pass that pads topk, rewrites every slot
     outside [0, T_kv) (-1 padding, and anything index validation would reject) to T_kv
-    (``tilelang_backend.kernel_indices``, plain torch). The kernels also select the sentinel
-    themselves for any index outside [0, T_kv) (``gather_row``), so they stay in bounds on their
-    own: every gather address is a real row, the padding key/value is exactly zero, and no
-    data-dependent branch sits on the load itself (the gathers stay asynchronous copies).
+    (``triton_helpers.prepare_indices``, one launch). The backward also selects the sentinel
+    itself for any index outside [0, T_kv) (``gather_row``; the forward can, ``select_in_kernel``,
+    but by default trusts the rewrite: it is what the fix-cost budget buys). Every gather address
+    is a real row, the padding key/value is exactly zero, and no data-dependent branch sits on
+    the load itself (the gathers stay asynchronous copies).
     A slot outside [0, T_kv) scores -inf and issues no dKV atomic (its dKV rows are exact zeros);
   * rows with no valid slot: out = 0, lse = EMPTY_ROW_LSE (finite), hence P = 0 and dq = 0;
   * no reliance on TileLang's safe-memory legalisation (it is disabled below, on purpose):
@@ -64,6 +65,19 @@ def valid_slot(idx, n_rows):
     return (idx >= 0) & (idx < n_rows)
 
 
+def slot_blocks(extent, block):
+    """Blocks of ``block`` slots a row needs: ceil(extent / block)."""
+    return (extent + block - 1) // block
+
+
+def in_bucket(n_blocks, lo, hi, n_all):
+    """Whether a row needing ``n_blocks`` belongs to the launch for (lo, hi]; the first bucket
+    also takes rows with no valid slot. Static True for a single launch over all ``n_all`` blocks."""
+    if lo == 0:
+        return True if hi == n_all else n_blocks <= hi
+    return (n_blocks > lo) & (n_blocks <= hi)
+
+
 def gather_row(idx, n_rows, select):
     """Row of the sentinel-extended kv that a slot reads. The host already rewrote invalid slots
     to the sentinel (row ``n_rows``); with ``select`` the kernel also maps any index outside
@@ -76,17 +90,23 @@ def gather_row(idx, n_rows, select):
 
 @functools.lru_cache(maxsize=None)
 def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_i=BLOCK_TOPK,
-                          num_stages=2, threads=256, target="cuda", select_in_kernel=True):
+                          num_stages=2, threads=256, target="cuda", select_in_kernel=True, blocks=None):
     """Q [B,T,H,Dqk] bf16, KV [B,T_kv+1,G,Dqk] bf16 (last row zero; T_kv rows when not safe),
     Indices [B,T,G,topk] i32 (host-rewritten to [0, T_kv], T_kv = padding; -1 padding when not safe) -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log).
+    Extent [B,T,G] i32: 1 + position of the row's last valid slot (0: none; see ``slot_blocks``).
     ``select_in_kernel=False`` gathers the host-rewritten indices directly (no per-element select;
-    in bounds only because ``kernel_indices`` ran)."""
+    in bounds only because ``prepare_indices`` ran).
+    ``blocks=(lo, hi)``: this launch handles only the rows needing more than ``lo`` and at most
+    ``hi`` slot blocks, and runs ``hi`` of them (a static, pipelined loop): the host launches one
+    kernel per bucket so pure-padding tails are skipped (default: one launch, every block)."""
     assert topk % block_i == 0 and heads % kv_group == 0
     hg = heads // kv_group
     h_blk = head_block(hg)
     assert hg % h_blk == 0 and h_blk >= 16
     rep = hg // h_blk
-    D, DT, BI, NI = d_v, d_tail, block_i, topk // block_i
+    D, DT, BI = d_v, d_tail, block_i
+    lo, NI = blocks or (0, topk // block_i)
+    assert 0 <= lo < NI <= topk // block_i
     scale2 = float(sm_scale) * LOG2E
     dtype, acc = T.bfloat16, T.float32
     B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
@@ -98,6 +118,7 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
         Q: T.Tensor([B, S, heads, D + DT], dtype),
         KV: T.Tensor([B, SKV1, kv_group, D + DT], dtype),
         Indices: T.Tensor([B, S, kv_group, topk], T.int32),
+        Extent: T.Tensor([B, S, kv_group], T.int32),
         Out: T.Tensor([B, S, heads, D], dtype),
         Lse: T.Tensor([B, S, heads], acc),
     ):
@@ -116,68 +137,70 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             m = T.alloc_fragment([h_blk], acc)
             m_prev = T.alloc_fragment([h_blk], acc)
 
-            T.fill(acc_o, 0)
-            T.fill(row_sum, 0)
-            T.fill(m, _MASK_INIT)
             s = bx // rep
-            h0 = g * hg + (bx % rep) * h_blk
-            for h, d in T.Parallel(h_blk, D):
-                q_s[h, d] = Q[b, s, h0 + h, d]
-            for h, d in T.Parallel(h_blk, DT):
-                qt_s[h, d] = Q[b, s, h0 + h, D + d]
-
-            for i in T.Pipelined(NI, num_stages=num_stages):
-                for j in T.Parallel(BI):
-                    valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv)
-                for j, d in T.Parallel(BI, D):
-                    kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, d]
-                for j, d in T.Parallel(BI, DT):
-                    kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, D + d]
-
-                for h, j in T.Parallel(h_blk, BI):
-                    acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
-                T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(m, m_prev)
-                T.reduce_max(acc_s, m, dim=1, clear=False)
-                for h in T.Parallel(h_blk):
-                    m[h] = T.max(m[h], m_prev[h])
-                    alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
-                for h, j in T.Parallel(h_blk, BI):
-                    acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
-                T.reduce_sum(acc_s, blk_sum, dim=1)
-                for h in T.Parallel(h_blk):
-                    row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
+            if in_bucket(slot_blocks(Extent[b, s, g], BI), lo, NI, topk // BI):
+                T.fill(acc_o, 0)
+                T.fill(row_sum, 0)
+                T.fill(m, _MASK_INIT)
+                h0 = g * hg + (bx % rep) * h_blk
                 for h, d in T.Parallel(h_blk, D):
-                    acc_o[h, d] = acc_o[h, d] * alpha[h]
-                if h_blk < 64:
-                    # TileLang 0.1.15 places reduce_sum's cross-warp workspace at p_s's address for
-                    # 16- and 32-row head tiles (mma path; the 64-row wgmma tile keeps them apart)
-                    # and emits no barrier between the reduction's last workspace read and this
-                    # write, so a fast warp can overwrite partial row sums a slow warp is still
-                    # reading. Seen in the generated CUDA; matches the wrong rows 8..15 of 16-row
-                    # tiles and the intermittent 32-row failures at topk 192.
-                    T.sync_threads()
-                T.copy(acc_s, p_s)
-                T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    q_s[h, d] = Q[b, s, h0 + h, d]
+                for h, d in T.Parallel(h_blk, DT):
+                    qt_s[h, d] = Q[b, s, h0 + h, D + d]
 
-            if safe:
-                # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE
+                for i in T.Pipelined(NI, num_stages=num_stages):
+                    for j in T.Parallel(BI):
+                        valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv)
+                    for j, d in T.Parallel(BI, D):
+                        kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, d]
+                    for j, d in T.Parallel(BI, DT):
+                        kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, D + d]
+
+                    for h, j in T.Parallel(h_blk, BI):
+                        acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
+                    T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(m, m_prev)
+                    T.reduce_max(acc_s, m, dim=1, clear=False)
+                    for h in T.Parallel(h_blk):
+                        m[h] = T.max(m[h], m_prev[h])
+                        alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
+                    for h, j in T.Parallel(h_blk, BI):
+                        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
+                    T.reduce_sum(acc_s, blk_sum, dim=1)
+                    for h in T.Parallel(h_blk):
+                        row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
+                    for h, d in T.Parallel(h_blk, D):
+                        acc_o[h, d] = acc_o[h, d] * alpha[h]
+                    if h_blk < 64:
+                        # TileLang 0.1.15 places reduce_sum's cross-warp workspace at p_s's address for
+                        # 16- and 32-row head tiles (mma path; the 64-row wgmma tile keeps them apart)
+                        # and emits no barrier between the reduction's last workspace read and this
+                        # write, so a fast warp can overwrite partial row sums a slow warp is still
+                        # reading. Seen in the generated CUDA; matches the wrong rows 8..15 of 16-row
+                        # tiles and the intermittent 32-row failures at topk 192.
+                        T.sync_threads()
+                    T.copy(acc_s, p_s)
+                    T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+                if safe:
+                    # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE
+                    for h, d in T.Parallel(h_blk, D):
+                        acc_o[h, d] = T.if_then_else(row_sum[h] > 0, acc_o[h, d] / row_sum[h], 0)
+                    for h in T.Parallel(h_blk):
+                        row_sum[h] = T.if_then_else(
+                            row_sum[h] > 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2, EMPTY_ROW_LSE
+                        )
+                else:
+                    for h, d in T.Parallel(h_blk, D):
+                        acc_o[h, d] = acc_o[h, d] / row_sum[h]
+                    for h in T.Parallel(h_blk):
+                        row_sum[h] = (T.log2(row_sum[h]) + m[h] * scale2) * LN2
                 for h, d in T.Parallel(h_blk, D):
-                    acc_o[h, d] = T.if_then_else(row_sum[h] > 0, acc_o[h, d] / row_sum[h], 0)
+                    Out[b, s, h0 + h, d] = acc_o[h, d]
                 for h in T.Parallel(h_blk):
-                    row_sum[h] = T.if_then_else(
-                        row_sum[h] > 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2, EMPTY_ROW_LSE
-                    )
-            else:
-                for h, d in T.Parallel(h_blk, D):
-                    acc_o[h, d] = acc_o[h, d] / row_sum[h]
-                for h in T.Parallel(h_blk):
-                    row_sum[h] = (T.log2(row_sum[h]) + m[h] * scale2) * LN2
-            for h, d in T.Parallel(h_blk, D):
-                Out[b, s, h0 + h, d] = acc_o[h, d]
-            for h in T.Parallel(h_blk):
-                Lse[b, s, h0 + h] = row_sum[h]
+                    Lse[b, s, h0 + h] = row_sum[h]
+
 
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
 
@@ -186,8 +209,8 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_s=None, threads=256,
                           target="cuda", dkv_per_slot=False):
     """Q [B,T,H,Dqk], KV [B,T_kv+1,G,Dqk] (as forward), dO [B,T,H,d_v] bf16, Indices [B,T,G,topk],
-    Lse [B,T,H] f32 (natural), Delta [B,T,H] f32 = rowsum(O*dO), Blocks [B,T,G] i32 = number of
-    leading BS-slot blocks to process (1 + last block holding a valid slot; 0 for an empty row)
+    Lse [B,T,H] f32 (natural), Delta [B,T,H] f32 = rowsum(O*dO), Extent [B,T,G] i32 (as forward:
+    1 + position of the last valid slot; the BS-slot blocks after it are skipped)
     -> dQ [B,T,H,Dqk] bf16 (written), dKV [B,T_kv+1,G,Dqk] f32 (accumulated atomically; caller zeroes).
     ``dkv_per_slot`` (deterministic mode): no atomics; instead dKV [B,T,G*nh,topk,Dqk] f32 receives each
     slot's contribution from each head block (nh = head blocks per group), written for the processed
@@ -215,7 +238,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
         Indices: T.Tensor([B, S, kv_group, topk], T.int32),
         Lse: T.Tensor([B, S, heads], acc),
         Delta: T.Tensor([B, S, heads], acc),
-        Blocks: T.Tensor([B, S, kv_group], T.int32),
+        Extent: T.Tensor([B, S, kv_group], T.int32),
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
         dKV: T.Tensor(dkv_shape, acc),
     ):
@@ -247,9 +270,8 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             T.clear(acc_dq)
             T.clear(acc_dqt)
 
-            # only the first Blocks[b, s, g] slot blocks hold valid slots (host-computed): blocks of
-            # pure padding after them are skipped, not computed as zeros
-            for i in T.serial(T.min(Blocks[b, s, g], NS)):
+            # blocks of pure padding after the row's last valid slot are skipped, not computed as zeros
+            for i in T.serial(T.min(slot_blocks(Extent[b, s, g], BS), NS)):
                 for j in T.Parallel(BS):
                     valid[j] = valid_slot(Indices[b, s, g, i * BS + j], n_kv)
                 for j, d in T.Parallel(BS, D):

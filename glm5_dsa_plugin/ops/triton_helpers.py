@@ -5,6 +5,10 @@
 * ``flag_nonfinite(x, flags, slot)``: sets ``flags[slot] = 1`` (int32, device) when ``x`` holds a
   NaN or +-inf, with no host sync; several tensors share one flags buffer so a caller reads
   all of its checks with one small device-to-host copy.
+* ``prepare_indices(indices, n_kv, k_pad, flags)``: the TileLang kernels' index tensor in one
+  pass: every slot outside [0, n_kv) -> n_kv (the zero sentinel row), topk padded to ``k_pad``,
+  each row's extent (1 + position of its last valid slot), and optionally ``flags[0] = 1`` when
+  an entry breaks the index rule (outside {-1} U [0, n_kv)).
 * ``segment_sum_rows(contrib, keys, out, src)``: deterministic scatter-add (the deterministic
   backward's dKV reduction), one program per destination row, fixed summation order.
 All run under ``TRITON_INTERPRET=1`` on CPU (how CI tests them).
@@ -45,23 +49,80 @@ def row_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _nonfinite_kernel(X, n, FLAGS, slot, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _any_nonfinite(X, start, n, BLOCK: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
-    bad = tl.max(((x - x) != 0).to(tl.int32), axis=0)  # x - x is NaN exactly for NaN and +-inf
+    return tl.max(((x - x) != 0).to(tl.int32), axis=0)  # x - x is NaN exactly for NaN and +-inf
+
+
+@triton.jit
+def _nonfinite_kernel(X, nx, Y, ny, FLAGS, slot, BLOCK: tl.constexpr):
+    """Programs [0, cdiv(nx, BLOCK)) scan X, the rest scan Y (one launch for two tensors)."""
+    pid = tl.program_id(0).to(tl.int64)
+    nbx = tl.cdiv(nx, BLOCK)
+    if pid < nbx:
+        bad = _any_nonfinite(X, pid * BLOCK, nx, BLOCK)
+    else:
+        bad = _any_nonfinite(Y, (pid - nbx) * BLOCK, ny, BLOCK)
     if bad > 0:
         tl.atomic_max(FLAGS + slot, 1)
 
 
-def flag_nonfinite(x: torch.Tensor, flags: torch.Tensor, slot: int, block: int = 8192) -> None:
-    """Set ``flags[slot] = 1`` if ``x`` (any float dtype, contiguous) holds NaN/inf; no host sync."""
+def flag_nonfinite(x: torch.Tensor, flags: torch.Tensor, slot: int, y: torch.Tensor | None = None,
+                   block: int = 8192) -> None:
+    """Set ``flags[slot] = 1`` if ``x`` (or ``y``; any float dtypes) holds NaN/inf; one launch, no host sync."""
     if flags.dtype != torch.int32:
         raise ValueError("flags must be int32")
-    if not x.is_contiguous():
-        x = x.contiguous()
-    n = x.numel()
-    if n:
-        _nonfinite_kernel[(triton.cdiv(n, block),)](x.view(-1), n, flags, slot, BLOCK=block)
+    x = x.contiguous()
+    y = x[:0] if y is None else y.contiguous()
+    nx, ny = x.numel(), y.numel()
+    grid = triton.cdiv(nx, block) + triton.cdiv(ny, block)
+    if grid:
+        _nonfinite_kernel[(grid,)](x.view(-1), nx, y.view(-1) if ny else x.view(-1), ny, flags, slot, BLOCK=block)
+
+
+@triton.jit
+def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, CHECK: tl.constexpr, BK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ext = tl.zeros([BK], dtype=tl.int32)
+    bad = tl.zeros([BK], dtype=tl.int32)
+    c0 = 0
+    while c0 < K_PAD:
+        cols = c0 + tl.arange(0, BK)
+        x = tl.load(IDX + row * K + cols, mask=cols < K, other=-1)
+        ok = (x >= 0) & (x < n_kv)
+        bad = tl.maximum(bad, ((x < -1) | (x >= n_kv)).to(tl.int32))
+        tl.store(OUT + row * K_PAD + cols, tl.where(ok, x, n_kv), mask=cols < K_PAD)
+        ext = tl.maximum(ext, tl.where(ok, cols + 1, 0))
+        c0 += BK
+    tl.store(EXT + row, tl.max(ext, axis=0))
+    if CHECK:
+        if tl.max(bad, axis=0) > 0:
+            tl.atomic_max(FLAGS, 1)
+
+
+def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int,
+                    flags: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [..., K] int32 -> (kernel indices [..., k_pad] int32 in [0, n_kv], extent [...] int32).
+
+    Kernel indices: slot j < K keeps its index if it lies in [0, n_kv), else becomes ``n_kv``;
+    slots K..k_pad-1 are ``n_kv``. Extent: 1 + the last position holding a valid index (0: none).
+    ``flags`` (int32, device): ``flags[0]`` is set to 1 when some entry lies outside {-1} U [0, n_kv).
+    One launch, no host sync."""
+    if indices.dtype != torch.int32:
+        raise ValueError(f"prepare_indices: int32 indices expected, got {indices.dtype}")
+    if k_pad < indices.shape[-1]:
+        raise ValueError(f"prepare_indices: k_pad={k_pad} < topk={indices.shape[-1]}")
+    idx = indices.contiguous()
+    K = idx.shape[-1]
+    out = torch.empty(*idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
+    ext = torch.empty(idx.shape[:-1], dtype=torch.int32, device=idx.device)
+    n_rows = ext.numel()
+    if n_rows:
+        BK = min(1024, triton.next_power_of_2(k_pad))
+        _prepare_indices_kernel[(n_rows,)](idx, out, ext, ext if flags is None else flags, K, k_pad, n_kv,
+                                           CHECK=flags is not None, BK=BK)
+    return out, ext
 
 
 @triton.jit
