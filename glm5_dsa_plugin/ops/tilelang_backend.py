@@ -91,6 +91,20 @@ def forward_buckets(n_blocks: int, buckets: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
+def forward_launches(hg_pad: int, n_blocks: int, buckets: int) -> list[tuple[int, int]]:
+    """The forward's launches (lo, hi] for ``hg_pad`` heads per group and ``n_blocks`` slot blocks.
+
+    One launch for short topk (< 8 blocks: little tail to skip, fewer kernels to compile) and for
+    64-row head tiles: TileLang 0.1.15 stops reusing the reductions' shared workspaces once the
+    pipelined loop sits under the bucket's row test, which takes the 64-row tile to 230 KB, over
+    Hopper's 227 KB (the launch fails; tests/test_tilelang_compile.py checks every plan)."""
+    from .tilelang_kernels import head_block
+
+    if n_blocks < 8 or head_block(hg_pad) >= 64:
+        buckets = 1
+    return forward_buckets(n_blocks, buckets)
+
+
 class TileLangBackend:
     """Fixed TileLang kernels; bf16, CUDA sm_90."""
 
@@ -175,8 +189,7 @@ class TileLangBackend:
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
         n_blocks = idx.shape[-1] // block
-        # short topk: one launch (little tail to skip, and fewer kernels to compile)
-        for lo, hi in forward_buckets(n_blocks, self.fwd_buckets if T > 0 and n_blocks >= 8 else 1):
+        for lo, hi in forward_launches(hg_pad, n_blocks, self.fwd_buckets if T > 0 else 1):
             kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
                                            block_i=block, threads=self.fwd_threads_16 if small else 256,
                                            select_in_kernel=self.fwd_select_in_kernel,
