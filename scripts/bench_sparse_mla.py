@@ -256,6 +256,16 @@ def main():
         for pol, ts in times.items():
             extra[f"W2_H64_fwd_bwd_ms_guard={pol}" + ("" if validate else "_novalidate")] = statistics.median(ts)
     configure(policy="fallback")
+    # the guard's GPU work alone: one finiteness launch per direction (W2 H64 out+lse, dq+dkv)
+    from glm5_dsa_plugin.ops.triton_helpers import flag_nonfinite
+
+    flags = torch.zeros(2, dtype=torch.int32, device="cuda")
+    o_, l_ = sparse_mla(q.detach(), kv.detach(), idx, SCALE, d_v=D_V, backend="tilelang")
+    extra["W2_H64_guard_scan_fwd_ms"] = bench(lambda: flag_nonfinite(o_, flags, 1, l_))
+    dq_, dkv_ = torch.randn_like(q), torch.randn_like(kv)
+    extra["W2_H64_guard_scan_bwd_ms"] = bench(lambda: flag_nonfinite(dq_, flags, 1, dkv_))
+    extra["host_sync_us"] = bench(lambda: flags.tolist()) * 1e3
+    del o_, l_, dq_, dkv_
 
     # deterministic backward (dKV reduced per kv row in a fixed order): cost and 5-run reproducibility
     def step_det():

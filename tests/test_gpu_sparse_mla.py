@@ -121,14 +121,19 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
     assert torch.equal(dq1, dq2)  # dkv uses atomics: order-dependent, compared in the other tests
 
 
-def test_nan_guard_regions_untouched():
+@pytest.mark.parametrize("H,K", [(64, 128), (16, 512)])
+def test_nan_guard_regions_untouched(H, K):
     """Every buffer the kernels touch sits inside NaN-filled guard regions (safe-memory pass off):
-    results finite and exact, every guard element unchanged after forward and backward."""
+    results finite and exact, every guard element unchanged after forward and backward. The
+    forward runs the backend's own launch plan (H=16, topk 512: four row buckets)."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, forward_launches
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
     from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    T, T_kv, H, D, K, GUARD = 300, 257, 64, 576, 128, 1 << 16
+    T, T_kv, D, GUARD = 300, 257, 576, 1 << 16
+    plan = forward_launches(H, K // 64, TileLangBackend().fwd_buckets)
+    assert len(plan) == (1 if H == 64 else 4)
 
     def guarded(shape, dtype, fill=None):
         n = torch.Size(shape).numel()
@@ -148,14 +153,17 @@ def test_nan_guard_regions_untouched():
     # indices that validation rejects must still be memory-safe (validation is read after the
     # kernel on this backend): they act as padding here
     idx[..., 3:6] = torch.tensor([T_kv, -7, 2**31 - 1], device="cuda", dtype=torch.int32)
+    # ragged rows: every row keeps a random-length prefix (extents in every bucket)
+    cut = torch.randint(0, K + 1, (T, 1), generator=gen, device="cuda")
+    idx[0, :, 0] = torch.where(torch.arange(K, device="cuda") < cut, idx[0, :, 0], -1)
     idx[:, 5] = -1
     out_buf, out = guarded((1, T, H, 512), torch.bfloat16)
     lse_buf, lse = guarded((1, T, H), torch.float32)
     kidx, extent = prepare_indices(idx, T_kv, K)  # the backend's rewrite: values in [0, T_kv]
-    # the forward as the backend runs it: direct gathers of the rewritten indices, two buckets
-    for blocks in ((0, 1), (1, 2)):
-        sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE, select_in_kernel=False, blocks=blocks)(
-            q, kv, kidx, extent, out, lse)
+    # the forward as the backend runs it: direct gathers of the rewritten indices, its launch plan
+    for lo, hi in plan:
+        sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE, select_in_kernel=False,
+                              blocks=None if (lo, hi) == (0, K // 64) else (lo, hi))(q, kv, kidx, extent, out, lse)
     dq_buf, dq = guarded((1, T, H, D), torch.bfloat16)
     dkv_buf, dkv = guarded((1, T_kv + 1, 1, D), torch.float32, torch.zeros(1, T_kv + 1, 1, D, device="cuda"))
     do = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
