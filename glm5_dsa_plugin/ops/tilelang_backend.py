@@ -39,7 +39,8 @@ def _import_status() -> tuple[bool, str]:
 
 # Smallest head tile per kernel (heads per kv group are zero-padded up to it). 16-row forward
 # tiles were wrong on TileLang 0.1.15 until the barrier before the P-tile write (see
-# tilelang_kernels); with it, proven on the H200 (session 3 checks.log, 0 bad rows).
+# tilelang_kernels); with it, proven on the H200 (0 bad rows on the configurations that failed:
+# benchmarks/results/2026-11-29_h200_v4c_forward_variants.log and the v5 one).
 FWD_MIN_HEADS = 16
 BWD_MIN_HEADS = 16
 
@@ -114,8 +115,9 @@ class TileLangBackend:
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
                  fwd_select_in_kernel: bool = False, fwd_buckets: int = 4):
         self.safe = safe
-        # forward gathers: trust prepare_indices' rewrite (False, the default: 2.6% fix cost at W1
-        # H64 vs 5.8% with the extra in-kernel select, session 3), or select in the kernel too
+        # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
+        # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
+        # log in benchmarks/results), or select in the kernel too
         self.fwd_select_in_kernel = fwd_select_in_kernel
         # forward launches per call, by slot blocks needed (skips pure-padding tails; 1 = no skipping)
         self.fwd_buckets = fwd_buckets

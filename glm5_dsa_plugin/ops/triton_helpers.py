@@ -2,9 +2,9 @@
 
 * ``row_delta(out, grad_out)``: Delta [..., H] fp32 = sum_d out * grad_out, one pass over both
   tensors (the backward's preprocessing; the torch form materialised fp32 copies of both).
-* ``flag_nonfinite(x, flags, slot)``: sets ``flags[slot] = 1`` (int32, device) when ``x`` holds a
-  NaN or +-inf, with no host sync; several tensors share one flags buffer so a caller reads
-  all of its checks with one small device-to-host copy.
+* ``flag_nonfinite(x, flags, slot, y=None)``: sets ``flags[slot] = 1`` (int32, device) when ``x``
+  (or ``y``) holds a NaN or +-inf, one launch, no host sync; several checks share one flags
+  buffer so a caller reads all of them with one small device-to-host copy.
 * ``prepare_indices(indices, n_kv, k_pad, flags)``: the TileLang kernels' index tensor in one
   pass: every slot outside [0, n_kv) -> n_kv (the zero sentinel row), topk padded to ``k_pad``,
   each row's extent (1 + position of its last valid slot), and optionally ``flags[0] = 1`` when
