@@ -92,16 +92,18 @@ def forward_buckets(n_blocks: int, buckets: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
-def forward_launches(hg_pad: int, n_blocks: int, buckets: int) -> list[tuple[int, int]]:
-    """The forward's launches (lo, hi] for ``hg_pad`` heads per group and ``n_blocks`` slot blocks.
+def forward_launches(hg_pad: int, n_blocks: int, buckets: int, block: int = 64) -> list[tuple[int, int]]:
+    """The forward's launches (lo, hi] for ``hg_pad`` heads per group and ``n_blocks`` slot blocks
+    of ``block`` slots.
 
     One launch for short topk (< 8 blocks: little tail to skip, fewer kernels to compile) and for
-    64-row head tiles: TileLang 0.1.15 stops reusing the reductions' shared workspaces once the
-    pipelined loop sits under the bucket's row test, which takes the 64-row tile to 230 KB, over
-    Hopper's 227 KB (the launch fails; tests/test_tilelang_compile.py checks every plan)."""
+    64-row head tiles with 64-slot blocks: TileLang 0.1.15 stops reusing the reductions' shared
+    workspaces once the pipelined loop sits under the bucket's row test, which takes that tile to
+    230 KB, over Hopper's 227 KB (the launch fails; tests/test_tilelang_compile.py checks every
+    plan). With 32-slot blocks (``fwd_block_64=32``, 154 KB) the 64-row tile can be bucketed."""
     from .tilelang_kernels import head_block
 
-    if n_blocks < 8 or head_block(hg_pad) >= 64:
+    if n_blocks < 8 or (head_block(hg_pad) >= 64 and block > 32):
         buckets = 1
     return forward_buckets(n_blocks, buckets)
 
@@ -113,7 +115,7 @@ class TileLangBackend:
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4):
+                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_block_64: int = 64):
         self.safe = safe
         # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
         # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
@@ -121,6 +123,8 @@ class TileLangBackend:
         self.fwd_select_in_kernel = fwd_select_in_kernel
         # forward launches per call, by slot blocks needed (skips pure-padding tails; 1 = no skipping)
         self.fwd_buckets = fwd_buckets
+        # slot block of the forward for 64-row head tiles (32 lets them be bucketed; not measured yet)
+        self.fwd_block_64 = fwd_block_64
         # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
         # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
         self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
@@ -132,7 +136,8 @@ class TileLangBackend:
         """The same kernels with a backward whose dq/dkv are bitwise reproducible."""
         return TileLangBackend(self.safe, self.fwd_min_heads, self.fwd_threads_16, self.fwd_block_16,
                                deterministic=True, slot_buffer_bytes=self.slot_buffer_bytes,
-                               fwd_select_in_kernel=self.fwd_select_in_kernel, fwd_buckets=self.fwd_buckets)
+                               fwd_select_in_kernel=self.fwd_select_in_kernel, fwd_buckets=self.fwd_buckets,
+                               fwd_block_64=self.fwd_block_64)
 
     @property
     def memory_safe_on_any_index(self) -> bool:
@@ -185,13 +190,13 @@ class TileLangBackend:
         G, hg, hg_pad = self._geometry(q, kv, self.fwd_min_heads)
         qp = _pad_heads(q, G, hg, hg_pad)
         small = hg_pad == 16
-        block = self.fwd_block_16 if small else BLOCK_TOPK
+        block = self.fwd_block_16 if small else self.fwd_block_64 if hg_pad >= 64 else BLOCK_TOPK
         kv_k, idx, extent = self._prepare(kv, indices, block, index_flag)
         B, T, Hp, Dqk = qp.shape
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
         n_blocks = idx.shape[-1] // block
-        for lo, hi in forward_launches(hg_pad, n_blocks, self.fwd_buckets if T > 0 else 1):
+        for lo, hi in forward_launches(hg_pad, n_blocks, self.fwd_buckets if T > 0 else 1, block):
             kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
                                            block_i=block, threads=self.fwd_threads_16 if small else 256,
                                            select_in_kernel=self.fwd_select_in_kernel,
