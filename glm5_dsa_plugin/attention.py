@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
 from . import indexer as ix
-from .ops import sparse_mla
+from .ops import guard_policy, sparse_mla
 
 DEFAULT_INDEXER_K_NORM_EPS = 1e-6
 
@@ -222,8 +222,10 @@ class GLM5DSAttention(MegatronModule):
             indices = holder[self.source_layer]
 
         G = kv_att.shape[1]
+        # The indices come from our own top-k. With the guard on, validating them is free (read with
+        # the guard's flag); with GLM5_DSA_NONFINITE=off the attention reads no device flag at all.
         out, _ = sparse_mla(q_att, kv_att, indices[:, None, :].expand(-1, G, -1).contiguous(),
-                            self.softmax_scale, d_v=d_v, backend=backend,
+                            self.softmax_scale, d_v=d_v, backend=backend, validate=guard_policy() != "off",
                             deterministic=bool(getattr(self.config, "deterministic_mode", False)))  # [b*s, H, d_v]
         if index_logits is not None:
             out = self._attach_indexer_loss(out, index_logits, q_att, kv_att[:, 0], indices)

@@ -235,3 +235,15 @@ def test_deferred_validation_still_raises_with_position_and_value(policy):
     finally:
         unregister_backend("index_safe_ref")
         configure(policy="fallback")
+
+
+def test_flag_read_under_cuda_graph_capture_is_a_clear_error(faulty, monkeypatch):
+    """Inside stream capture no host read is allowed: the guard says what to switch off instead of
+    torch's generic capture error; with the guard off and validate=False nothing is read."""
+    monkeypatch.setattr(guard, "_capturing", lambda device: True)
+    q, kv, idx, g = _inputs()
+    with pytest.raises(RuntimeError, match="GLM5_DSA_NONFINITE=off.*validate=False"):
+        sparse_mla(q, kv, idx, 0.3, d_v=8, backend="faulty")
+    configure(policy="off")
+    out, _ = sparse_mla(q, kv, idx, 0.3, d_v=8, backend="faulty", validate=False)
+    out.backward(g)  # no flag read in either direction

@@ -186,3 +186,31 @@ def test_deterministic_mode_reaches_sparse_mla(megatron_single_process, monkeypa
                 run()
             monkeypatch.setattr(GLM5DSAttention, "backend", "reference")
         assert torch.isfinite(run()).all()
+
+
+def test_attention_validates_unless_the_guard_is_off(megatron_single_process, monkeypatch):
+    """The spec's attention validates its indices while the guard is on (free: read with the
+    guard's flag) and reads no device flag with GLM5_DSA_NONFINITE=off (no host sync per layer,
+    capturable in a CUDA graph)."""
+    import glm5_dsa_plugin.attention as attention
+    from glm5_dsa_plugin.ops import configure, sparse_mla
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["validate"])
+        return sparse_mla(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "sparse_mla", spy)
+    card, cfg = tiny_config()
+    model = build(cfg, card)
+    B, S = 2, 24
+    tok = torch.randint(0, card["vocab_size"], (B, S))
+    try:
+        for pol, want in (("fallback", True), ("off", False)):
+            configure(policy=pol)
+            seen.clear()
+            model(tok, torch.arange(S)[None].expand(B, S), None)
+            assert seen and all(v is want for v in seen), (pol, seen)
+    finally:
+        configure(policy="fallback")

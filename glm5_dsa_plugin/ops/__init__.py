@@ -2,7 +2,7 @@
 
 from .backends import explain_auto, get_backend, register_backend, registered_backends, unregister_backend
 from .contract import EMPTY_ROW_LSE, SparseMLAInputError
-from .guard import configure, reset_stats as reset_guard_stats, stats as guard_stats
+from .guard import configure, policy as guard_policy, reset_stats as reset_guard_stats, stats as guard_stats
 from .op import sparse_mla
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "configure",
     "explain_auto",
     "get_backend",
+    "guard_policy",
     "guard_stats",
     "register_backend",
     "registered_backends",

@@ -158,6 +158,22 @@ def _flag_nonfinite(flags: torch.Tensor, slot: int, a: torch.Tensor, b: torch.Te
         flags[slot : slot + 1] += (~torch.isfinite(t)).any().to(torch.int32)
 
 
+def _read(flags: torch.Tensor) -> list[int]:
+    """The one host read of a flags buffer; a clear error inside CUDA graph capture, where no
+    host read is allowed."""
+    if _capturing(flags.device):
+        raise RuntimeError(
+            "sparse_mla reads a device flag (nonfinite guard / deferred index validation), which CUDA graph "
+            "capture forbids: set GLM5_DSA_NONFINITE=off (or ops.configure(policy='off')) and call sparse_mla "
+            "with validate=False (the spec's attention does so itself when the policy is off) to capture it"
+        )
+    return flags.tolist()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _new_flags(device: torch.device) -> torch.Tensor:
     """int32 [2]: [index rule violated, some output nonfinite], read with one host copy."""
     return torch.zeros(2, dtype=torch.int32, device=device)
@@ -166,7 +182,7 @@ def _new_flags(device: torch.device) -> torch.Tensor:
 def _all_finite(a: torch.Tensor, b: torch.Tensor) -> bool:
     flags = _new_flags(a.device)
     _flag_nonfinite(flags, 1, a, b)
-    return not flags[1].item()
+    return not _read(flags)[1]
 
 
 def _bad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -189,7 +205,7 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
         return out, lse
     if check:
         _flag_nonfinite(flags, 1, out, lse)
-    bad_index, nonfinite = flags.tolist()  # the one host read
+    bad_index, nonfinite = _read(flags)  # the one host read
     if bad_index:
         check_indices(indices, kv.shape[1])
         raise SparseMLAInputError("sparse_mla: indices hold an entry outside {-1} U [0, T_kv)")
