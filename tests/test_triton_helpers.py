@@ -107,3 +107,14 @@ def test_forward_buckets_cover_every_row_once():
     assert forward_buckets(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
 
 
+
+
+def test_deterministic_variant_keeps_every_setting():
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    be = TileLangBackend(fwd_min_heads=32, fwd_buckets=2, fwd_block_64=32, fwd_select_in_kernel=True,
+                         slot_buffer_bytes=1 << 20)
+    det = be.deterministic_variant()
+    assert det.deterministic and not be.deterministic
+    assert {k: v for k, v in vars(det).items() if k != "deterministic"} == \
+        {k: v for k, v in vars(be).items() if k != "deterministic"}

@@ -1,12 +1,7 @@
 """The one backend registry for sparse MLA.
 
-A backend is an object with
-    name: str
-    available() -> (bool, reason: str)
-    forward(q, kv, indices, sm_scale, d_v) -> (out, lse)              # contract.py layout
-    backward(q, kv, indices, out, lse, grad_out, sm_scale, d_v) -> (dq, dkv)
-and is registered under its name with :func:`register_backend`. ``"auto"`` resolves here and
-nowhere else.
+A backend (see :class:`Backend`) is registered under its name with :func:`register_backend`.
+``"auto"`` resolves here and nowhere else.
 """
 
 from __future__ import annotations
@@ -27,11 +22,11 @@ class Backend(Protocol):
 
     name: str
 
-    def available(self) -> tuple[bool, str]: ...
+    def available(self) -> tuple[bool, str]: ...  # (usable here, reason)
 
-    def forward(self, q, kv, indices, sm_scale: float, d_v: int): ...
+    def forward(self, q, kv, indices, sm_scale: float, d_v: int): ...  # -> (out, lse), contract.py layout
 
-    def backward(self, q, kv, indices, out, lse, grad_out, sm_scale: float, d_v: int): ...
+    def backward(self, q, kv, indices, out, lse, grad_out, sm_scale: float, d_v: int): ...  # -> (dq, dkv)
 
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {}

@@ -15,6 +15,7 @@ Padding done here (so the kernels never index past a buffer):
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -88,7 +89,7 @@ def forward_buckets(n_blocks: int, buckets: int) -> list[tuple[int, int]]:
     """Split [0, n_blocks] slot blocks into ``buckets`` launches (lo, hi]: a row needing b blocks
     runs in the launch with lo < b <= hi (b = 0 in the first) and computes hi blocks, so the
     pure-padding tail of short rows is skipped while every loop stays static and pipelined."""
-    edges = sorted({round(n_blocks * k / buckets) for k in range(buckets + 1)} | {0, n_blocks})
+    edges = sorted({round(n_blocks * k / buckets) for k in range(buckets + 1)})  # includes 0 and n_blocks
     return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
@@ -133,11 +134,10 @@ class TileLangBackend:
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
 
     def deterministic_variant(self) -> "TileLangBackend":
-        """The same kernels with a backward whose dq/dkv are bitwise reproducible."""
-        return TileLangBackend(self.safe, self.fwd_min_heads, self.fwd_threads_16, self.fwd_block_16,
-                               deterministic=True, slot_buffer_bytes=self.slot_buffer_bytes,
-                               fwd_select_in_kernel=self.fwd_select_in_kernel, fwd_buckets=self.fwd_buckets,
-                               fwd_block_64=self.fwd_block_64)
+        """The same kernels (every setting kept) with a backward whose dq/dkv are bitwise reproducible."""
+        variant = copy.copy(self)
+        variant.deterministic = True
+        return variant
 
     @property
     def memory_safe_on_any_index(self) -> bool:
