@@ -62,14 +62,15 @@ def guard_repair_cost(gen, frac=0.01):
 
     class OnePercentNaN(TileLangBackend):
         name = "tilelang_nan1pct"
+        reports_nonfinite = False  # NaN is written after the kernels: the guard scans itself
 
-        def forward(self, q, kv, indices, sm_scale, d_v, index_flag=None):
-            out, lse = super().forward(q, kv, indices, sm_scale, d_v, index_flag)
+        def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
+            out, lse, saved = super().forward_saving(q, kv, indices, sm_scale, d_v, index_flag)
             out[:, bad_rows] = float("nan")
-            return out, lse
+            return out, lse, saved
 
-        def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
-            dq, dkv = super().backward(q, kv, indices, out, lse, grad_out, sm_scale, d_v)
+        def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v):
+            dq, dkv = super().backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v)
             dq[:, bad_rows] = float("nan")
             return dq, dkv
 
@@ -94,6 +95,32 @@ def guard_repair_cost(gen, frac=0.01):
         return res
     except Exception as exc:  # noqa: BLE001
         return {"guard_repair_error": f"{type(exc).__name__}: {exc}"}
+
+
+def gpu_idle(step, calls=3, top=6):
+    """Where the GPU waits on the host: ``calls`` calls of ``step`` under torch.profiler ->
+    (GPU-idle microseconds per call between the first and last GPU activity, the ``top`` largest
+    gaps as "us: kernel before -> kernel after")."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA)
+    gaps, end, prev = [], gpu[0][0], gpu[0][2]
+    for start, stop, name in gpu:
+        if start > end:
+            gaps.append((start - end, prev, name))
+        if stop > end:
+            end, prev = stop, name
+    short = lambda n: n.split("(")[0][:40]  # noqa: E731
+    idle = sum(g for g, _, _ in gaps) / calls
+    return idle, [f"{g:.0f}: {short(a)} -> {short(b)}" for g, a, b in sorted(gaps, reverse=True)[:top]]
 
 
 def write_host_profile(q, kv, idx, g, path, calls=50):
@@ -255,6 +282,12 @@ def main():
                 times[pol].append(bench(step, 5, 40))
         for pol, ts in times.items():
             extra[f"W2_H64_fwd_bwd_ms_guard={pol}" + ("" if validate else "_novalidate")] = statistics.median(ts)
+        if validate:  # where the GPU idles, per policy (profiled calls, so slower than the timings)
+            for pol in times:
+                configure(policy=pol)
+                idle, gaps = gpu_idle(step)
+                extra[f"W2_H64_gpu_idle_us_per_call_guard={pol}"] = idle
+                extra[f"W2_H64_largest_gaps_us_guard={pol}"] = gaps
     configure(policy="fallback")
     # the guard's GPU work alone: one finiteness launch per direction (W2 H64 out+lse, dq+dkv)
     from glm5_dsa_plugin.ops.triton_helpers import flag_nonfinite

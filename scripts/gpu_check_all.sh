@@ -13,5 +13,5 @@ timeout 230 python3 scripts/bench_sparse_mla.py --reference W1:64 --host-profile
 if [ "${LAUNCHERS:-0}" = 1 ]; then
   timeout 120 python3 scripts/gpu_launcher_proof.py --out "$OUT" 2>&1 | grep -E "^(lora|ppo|mtp) "
 else
-  timeout 140 python3 scripts/debug_kernel_rows.py 2>&1 | grep -v INFO | tee "$OUT/checks.log" | tail -6
+  timeout 140 python3 scripts/debug_kernel_rows.py 2>&1 | grep -v INFO | tee "$OUT/checks.log" | tail -8
 fi

@@ -247,3 +247,56 @@ def test_flag_read_under_cuda_graph_capture_is_a_clear_error(faulty, monkeypatch
     configure(policy="off")
     out, _ = sparse_mla(q, kv, idx, 0.3, d_v=8, backend="faulty", validate=False)
     out.backward(g)  # no flag read in either direction
+
+
+class SavingFaultyBackend(FaultyBackend):
+    """The prepared-inputs protocol (``forward_saving`` / ``backward_saved`` / ``originals``,
+    ``reports_nonfinite``) over the faulty reference: saves a copy of kv and indices with -1
+    rewritten to T_kv (as the TileLang backend does), sets the backward's flag itself."""
+
+    name = "faulty_saving"
+    reports_nonfinite = True
+    flag_calls = 0
+
+    def forward_saving(self, q, kv, indices, sm_scale, d_v):
+        out, lse = self.forward(q, kv, indices, sm_scale, d_v)
+        n_kv = kv.shape[1]
+        return out, lse, (kv.detach().clone(), torch.where(indices < 0, n_kv, indices))
+
+    def originals(self, saved, topk):
+        kv, idx = saved
+        return kv, torch.where(idx == kv.shape[1], -1, idx)[..., :topk]
+
+    def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v, nonfinite_flag=None):
+        dq, dkv = self.backward(q, *self.originals(saved, saved[1].shape[-1]), out, lse, grad_out, sm_scale, d_v)
+        if nonfinite_flag is not None:
+            type(self).flag_calls += 1
+            nonfinite_flag += int(not (torch.isfinite(dq).all() and torch.isfinite(dkv).all()))
+        return dq, dkv
+
+
+def test_backward_repair_through_saved_inputs(tmp_path):
+    """A backend that keeps prepared inputs instead of (kv, indices) and flags its own backward:
+    the guard reads that flag, rebuilds the originals for the reference, repairs the same rows."""
+    be = SavingFaultyBackend()
+    be.dq_rows, be.dkv_rows = [(1, 2)], [(0, 3)]
+    register_backend(be.name, lambda: be, replace=True)
+    configure(policy="fallback", dump_dir=str(tmp_path), dump_every=1)
+    reset_guard_stats()
+    try:
+        q, kv, idx, g = _inputs()
+        out, _ = sparse_mla(q, kv, idx, 0.4, d_v=8, backend=be.name)
+        with pytest.warns(RuntimeWarning, match="repaired"):
+            out.backward(g)
+        r_dq, r_dkv = ref.backward(q.detach(), kv.detach(), idx, g, 0.4, 8)
+        torch.testing.assert_close(q.grad, r_dq, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(kv.grad, r_dkv, rtol=1e-10, atol=1e-10)
+        assert SavingFaultyBackend.flag_calls == 1
+        st = guard_stats()
+        assert st["events"] == 1 and st["rows_repaired"] == 1 and st["kv_rows_repaired"] == 1
+        dump = torch.load(st["dumps"][0], weights_only=False)
+        assert torch.equal(dump["inputs"]["indices"], idx)  # the caller's indices, -1 padding restored
+    finally:
+        unregister_backend(be.name)
+        configure(policy="fallback", dump_dir="glm5_dsa_dumps", dump_every=100)
+        reset_guard_stats()

@@ -100,3 +100,16 @@ def test_small_head_forward_has_a_barrier_before_the_p_tile_write(heads):
     assert writes, "expected stmatrix writes of the P tile"
     for i in writes:
         assert lines[i - 1] == "__syncthreads();", lines[i - 1]
+
+
+@pytest.mark.parametrize("hg,block_s,threads", [(16, 64, 256), (16, 32, 128), (32, None, 256), (64, None, 256)])
+def test_every_backward_launch_fits_in_shared_memory(hg, block_s, threads):
+    """The backward's launch shapes (the 16-row tile's two options included) ask for <= 227 KiB;
+    32 slots / 4 warps at 16 rows stays under half of it (two blocks per SM)."""
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel
+
+    k = sparse_mla_bwd_kernel(hg, 512, 64, 2048, 1, 256**-0.5, target=SM90, block_s=block_s, threads=threads)
+    smem = _requested_dyn_smem(k)
+    assert smem <= HOPPER_MAX_DYN_SMEM, smem
+    if block_s == 32:
+        assert smem <= HOPPER_MAX_DYN_SMEM // 2, smem

@@ -95,6 +95,50 @@ def test_prepare_indices_matches_the_index_rule_in_interpreter():
     _interpret(PREPARE)
 
 
+FINISH = r"""
+import torch
+from glm5_dsa_plugin.ops.triton_helpers import finish_backward
+
+g = torch.Generator().manual_seed(0)
+for B, R, n_rows, G, D, block in [(2, 11, 10, 2, 576, 8192), (1, 5, 4, 1, 64, 128), (3, 3, 3, 1, 40, 64)]:
+    dkv32 = torch.randn(B, R, G, D, generator=g) * 100
+    dq = torch.randn(B, 7, 4, D, generator=g).bfloat16()
+    want = dkv32[:, :n_rows].to(torch.bfloat16)
+    for check in (True, False):
+        f = torch.zeros(1, dtype=torch.int32)
+        out = finish_backward(dkv32, n_rows, torch.bfloat16, dq, f if check else None, block=block)
+        assert out.shape == (B, n_rows, G, D) and out.dtype == torch.bfloat16
+        # (the interpreter's fp32 -> bf16 cast truncates; on the GPU it rounds to nearest even)
+        torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=0)
+        assert f.item() == 0, (B, R, n_rows)
+    # a nonfinite value in a kept dkv row or in dq: flagged; one in the dropped sentinel rows:
+    # not flagged (the caller never sees it)
+    for where, bad in [("dkv", float("nan")), ("dkv", -float("inf")), ("dq", float("inf")), ("sentinel", float("nan"))]:
+        d, q = dkv32.clone(), dq.clone()
+        if where == "dq":
+            q[-1, -1, -1, -1] = bad
+        elif where == "sentinel":
+            if R == n_rows:
+                continue
+            d[-1, -1, 0, 0] = bad
+        else:
+            d[B - 1, n_rows - 1, G - 1, D - 1] = bad
+        f = torch.zeros(1, dtype=torch.int32)
+        finish_backward(d, n_rows, torch.bfloat16, q, f, block=block)
+        assert f.item() == (where != "sentinel"), (where, B, R, n_rows)
+        f = torch.zeros(1, dtype=torch.int32)
+        finish_backward(d, n_rows, torch.bfloat16, q, None, block=block)
+        assert f.item() == 0
+print("OK")
+"""
+
+
+def test_finish_backward_converts_drops_sentinel_and_flags_in_interpreter():
+    """dKV fp32 -> bf16 without each batch's sentinel rows (to one bf16 ulp: the interpreter truncates), and
+    the flag set exactly when the returned dkv or dq holds NaN/inf."""
+    _interpret(FINISH)
+
+
 def test_forward_buckets_cover_every_row_once():
     from glm5_dsa_plugin.ops.tilelang_backend import forward_buckets
 

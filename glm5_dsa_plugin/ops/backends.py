@@ -18,7 +18,14 @@ class Backend(Protocol):
     """A sparse-MLA implementation. A backend whose kernels are memory-safe for *any* index value
     may set ``memory_safe_on_any_index = True``; it then receives ``forward(..., index_flag=f)``
     (int32 [1] on the device, zero) and must make ``f`` nonzero when some index lies outside
-    {-1} U [0, T_kv), without a host sync: the guard reads it after the kernel, with its own flag."""
+    {-1} U [0, T_kv), without a host sync: the guard reads it after the kernel, with its own flag.
+
+    Optional, for a backend that prepares its inputs (e.g. rewritten indices) once per call:
+    ``forward_saving(...) -> (out, lse, saved)``, ``saved`` a tuple of tensors autograd keeps in
+    place of (kv, indices); ``backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v)``;
+    ``originals(saved, topk) -> (kv, indices)`` for the guard's reference repair. With
+    ``reports_nonfinite = True`` its ``backward_saved`` also takes ``nonfinite_flag`` (int32 [1])
+    and sets it when dq or dkv holds NaN/inf, so the guard makes no pass of its own."""
 
     name: str
 

@@ -4,7 +4,8 @@ Policy (per process): env ``GLM5_DSA_NONFINITE=fallback|raise|off`` or :func:`co
 
 Detection: after each fast-backend call, one device-side finiteness pass over the outputs
 (out/lse forward, dq/dkv backward; Triton on CUDA) into an int32 flag buffer and a single host
-read of it. In the forward the same read also carries the deferred index-validation flag (set by
+read of it. A backend with ``reports_nonfinite`` sets the backward's flag itself, fused into a
+pass it makes anyway (TileLang: the dKV conversion). In the forward the same read also carries the deferred index-validation flag (set by
 a backend memory-safe for any index, see ``backends.Backend``), so a validated, guarded call
 syncs once per direction.
 
@@ -190,19 +191,31 @@ def _bad_rows(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t).flatten(2).all(-1)
 
 
+def _forward(backend, q, kv, indices, sm_scale, d_v, index_flag):
+    """-> (out, lse, saved): ``saved`` is what the backward needs in place of (kv, indices) for a
+    backend that prepares its inputs once per call (``forward_saving``), else (kv, indices)."""
+    kw = {} if index_flag is None else {"index_flag": index_flag}
+    if hasattr(backend, "forward_saving"):
+        return backend.forward_saving(q, kv, indices, sm_scale, d_v, **kw)
+    out, lse = backend.forward(q, kv, indices, sm_scale, d_v, **kw)
+    return out, lse, (kv, indices)
+
+
+def originals(backend, saved: tuple, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv, indices) of the call whose forward returned ``saved``."""
+    return backend.originals(saved, topk) if hasattr(backend, "forward_saving") else saved
+
+
 def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool = False):
-    """Forward through ``backend`` with the nonfinite check. ``defer_index_check`` (only for
-    backends memory-safe on any index): the backend sets the index-rule flag during the call and
-    it is read in the same host read as the finiteness flag; a violation raises the usual
-    SparseMLAInputError (naming the first bad entry) instead of returning."""
+    """Forward through ``backend`` with the nonfinite check -> (out, lse, saved) (see ``_forward``).
+    ``defer_index_check`` (only for backends memory-safe on any index): the backend sets the
+    index-rule flag during the call and it is read in the same host read as the finiteness flag;
+    a violation raises the usual SparseMLAInputError (naming the first bad entry) instead of returning."""
     check = _cfg.policy != "off" and backend.name != "reference"
     flags = _new_flags(q.device) if (check or defer_index_check) else None
-    if defer_index_check:
-        out, lse = backend.forward(q, kv, indices, sm_scale, d_v, index_flag=flags[0:1])
-    else:
-        out, lse = backend.forward(q, kv, indices, sm_scale, d_v)
+    out, lse, saved = _forward(backend, q, kv, indices, sm_scale, d_v, flags[0:1] if defer_index_check else None)
     if flags is None:
-        return out, lse
+        return out, lse, saved
     if check:
         _flag_nonfinite(flags, 1, out, lse)
     bad_index, nonfinite = _read(flags)  # the one host read
@@ -210,14 +223,14 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
         check_indices(indices, kv.shape[1])
         raise SparseMLAInputError("sparse_mla: indices hold an entry outside {-1} U [0, T_kv)")
     if not check:
-        return out, lse
+        return out, lse, saved
     _stats.calls_checked += 1
     if not nonfinite:
-        return out, lse
+        return out, lse, saved
     bad = _bad_rows(out) | _bad_rows(lse)
     rows = bad.nonzero()
     if rows.shape[0] == 0:
-        return out, lse
+        return out, lse, saved
     path = _event("forward", backend, dict(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v),
                   dict(out=out, lse=lse), rows.shape[0])
     out, lse = out.clone(), lse.clone()
@@ -228,16 +241,33 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
     if not _all_finite(out, lse):
         raise FloatingPointError(f"sparse_mla forward is nonfinite even in the reference: inputs are bad (dump: {path})")
     _stats.rows_repaired += rows.shape[0]
-    return out, lse
+    return out, lse, saved
 
 
-def run_backward(backend, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
-    dq, dkv = backend.backward(q, kv, indices, out, lse, grad_out, sm_scale, d_v)
+def _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, flags):
+    """-> (dq, dkv) with flags[1] set when either is nonfinite (``flags`` None: no check)."""
+    if hasattr(backend, "forward_saving"):
+        own = flags is not None and getattr(backend, "reports_nonfinite", False)
+        dq, dkv = backend.backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v,
+                                         **({"nonfinite_flag": flags[1:2]} if own else {}))
+    else:
+        own = False
+        dq, dkv = backend.backward(q, *saved, out, lse, grad_out, sm_scale, d_v)
+    if flags is not None and not own:
+        _flag_nonfinite(flags, 1, dq, dkv)
+    return dq, dkv
+
+
+def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
+    """Backward from the forward's ``saved`` tensors (``topk``: the caller's indices width)."""
     if _cfg.policy == "off" or backend.name == "reference":
-        return dq, dkv
+        return _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, None)
+    flags = _new_flags(q.device)
+    dq, dkv = _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, flags)
     _stats.calls_checked += 1
-    if _all_finite(dq, dkv):
+    if not _read(flags)[1]:  # the one host read
         return dq, dkv
+    kv, indices = originals(backend, saved, topk)
     bad_q = _bad_rows(dq)  # [B, T]
     bad_kv = _bad_rows(dkv)  # [B, T_kv]
     # query rows that selected any bad kv row (in any group) contribute to it

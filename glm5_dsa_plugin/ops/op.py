@@ -12,19 +12,20 @@ from .contract import canonicalize, check_indices
 class _SparseMLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, indices, sm_scale, d_v, backend, defer_index_check):
-        out, lse = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check)
-        ctx.save_for_backward(q, kv, indices, out, lse)
-        ctx.sm_scale, ctx.d_v, ctx.backend = sm_scale, d_v, backend
+        out, lse, saved = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check)
+        # saved replaces (kv, indices): a backend's prepared inputs are built once per call
+        ctx.save_for_backward(q, out, lse, *saved)
+        ctx.sm_scale, ctx.d_v, ctx.backend, ctx.topk = sm_scale, d_v, backend, indices.shape[-1]
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, kv, indices, out, lse = ctx.saved_tensors
+        q, out, lse, *saved = ctx.saved_tensors
         if grad_out is None:
             return None, None, None, None, None, None, None
         dq, dkv = _guard.run_backward(
-            ctx.backend, q, kv, indices, out, lse, grad_out.contiguous(), ctx.sm_scale, ctx.d_v
+            ctx.backend, q, tuple(saved), ctx.topk, out, lse, grad_out.contiguous(), ctx.sm_scale, ctx.d_v
         )
         return dq, dkv, None, None, None, None, None
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .contract import SparseMLAInputError
-from .triton_helpers import prepare_indices, row_delta
+from .triton_helpers import finish_backward, prepare_indices, row_delta
 
 MIN_CAPABILITY = (9, 0)
 
@@ -116,7 +116,10 @@ class TileLangBackend:
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_block_64: int = 64):
+                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_block_64: int = 64,
+                 bwd_block_16: int = 64, bwd_threads_16: int = 256):
+        if fwd_block_16 not in (32, 64) or fwd_block_64 not in (32, 64):
+            raise ValueError("forward slot blocks are 32 or 64 (topk is padded to a multiple of 64 once per call)")
         self.safe = safe
         # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
         # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
@@ -132,6 +135,11 @@ class TileLangBackend:
         self.fwd_min_heads = fwd_min_heads
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
+        # backward launch shape for 16-row head tiles (H <= 16 per group): 64 slots / 8 warps, or
+        # 32 slots / 4 warps (108 KB of shared memory: two blocks per SM instead of one)
+        if (bwd_block_16, bwd_threads_16) not in ((64, 256), (32, 128)):
+            raise ValueError("bwd_block_16/bwd_threads_16: (64, 256) or (32, 128)")
+        self.bwd_block_16, self.bwd_threads_16 = bwd_block_16, bwd_threads_16
 
     def deterministic_variant(self) -> "TileLangBackend":
         """The same kernels (every setting kept) with a backward whose dq/dkv are bitwise reproducible."""
@@ -164,16 +172,29 @@ class TileLangBackend:
             raise SparseMLAInputError(f"sparse_mla backend 'tilelang' needs CUDA tensors, got {q.device}")
         check_split(d_v, q.shape[-1] - d_v)
 
-    def _prepare(self, kv, indices, block, index_flag=None):
-        """-> (kv with the zero sentinel row, kernel indices [B, T, G, K_pad] in [0, T_kv], extent
-        [B, T, G]); ``index_flag`` (int32 [1]) is set when an index breaks the rule. With
-        ``safe=False`` (fix-cost measurement only): raw -1 padding, no sentinel, full extent."""
-        k_pad = -(-indices.shape[-1] // block) * block
+    def save(self, kv, indices, index_flag=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prepared inputs both kernels read, built once per call (forward) and kept for the
+        backward in place of (kv, indices): (kv with the zero sentinel row [B, T_kv + 1, G, Dqk],
+        kernel indices [B, T, G, K_pad] in [0, T_kv], extent [B, T, G]); K_pad is topk rounded up
+        to ``BLOCK_TOPK``. ``index_flag`` (int32 [1]) is set when an index breaks the rule. With
+        ``safe=False`` (fix-cost measurement only): raw kv, -1 padding, full extent."""
+        from .tilelang_kernels import BLOCK_TOPK
+
+        k_pad = -(-indices.shape[-1] // BLOCK_TOPK) * BLOCK_TOPK
         if self.safe:
             idx, extent = prepare_indices(indices, kv.shape[1], k_pad, index_flag)
             return _with_sentinel_row(kv), idx, extent
-        idx = _pad_topk(indices, block)
+        idx = _pad_topk(indices, BLOCK_TOPK)
         return kv.contiguous(), idx, torch.full(idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
+
+    def originals(self, saved, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv, indices) back from :meth:`save`'s tensors (the guard's reference repair); slots the
+        rewrite sent to the sentinel read as -1 (the same as the kernels treat them)."""
+        kv_k, idx, _ = saved
+        if not self.safe:
+            return kv_k, idx[..., :topk]
+        n_kv = kv_k.shape[1] - 1
+        return kv_k[:, :n_kv], torch.where(idx[..., :topk] == n_kv, -1, idx[..., :topk])
 
     def _geometry(self, q, kv, minimum):
         H, G = q.shape[2], kv.shape[2]
@@ -184,14 +205,19 @@ class TileLangBackend:
         """As the Backend protocol; ``index_flag`` (int32 [1], device): set to nonzero when some
         index breaks the rule (the kernels are memory-safe for any index, so the caller reads
         it after the call)."""
+        return self.forward_saving(q, kv, indices, sm_scale, d_v, index_flag)[:2]
+
+    def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
+        """-> (out, lse, saved): ``saved`` (from :meth:`save`) is what :meth:`backward_saved` needs."""
         from .tilelang_kernels import BLOCK_TOPK, sparse_mla_fwd_kernel
 
         self._check(q, kv, d_v)
+        saved = self.save(kv, indices, index_flag)
+        kv_k, idx, extent = saved
         G, hg, hg_pad = self._geometry(q, kv, self.fwd_min_heads)
         qp = _pad_heads(q, G, hg, hg_pad)
         small = hg_pad == 16
         block = self.fwd_block_16 if small else self.fwd_block_64 if hg_pad >= 64 else BLOCK_TOPK
-        kv_k, idx, extent = self._prepare(kv, indices, block, index_flag)
         B, T, Hp, Dqk = qp.shape
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
@@ -203,30 +229,43 @@ class TileLangBackend:
                                            blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi))
             if T > 0:
                 kernel(qp, kv_k, idx, extent, out, lse)
-        return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad)
+        return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
 
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
-        from .tilelang_kernels import BLOCK_TOPK, sparse_mla_bwd_kernel
+        return self.backward_saved(q, self.save(kv, indices), out, lse, grad_out, sm_scale, d_v)
 
-        self._check(q, kv, d_v)
-        G, hg, hg_pad = self._geometry(q, kv, BWD_MIN_HEADS)
+    # the backward sets the guard's nonfinite flag itself, in the pass that converts dKV
+    reports_nonfinite = True
+
+    def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v, nonfinite_flag=None):
+        """-> (dq, dkv) from :meth:`save`'s tensors; ``nonfinite_flag`` (int32 [1], device) becomes
+        nonzero when dq or dkv holds NaN/inf (checked in the dKV conversion pass, no extra launch)."""
+        from .tilelang_kernels import sparse_mla_bwd_kernel
+
+        self._check(q, saved[0], d_v)
+        kv_k, idx, extent = saved
+        n_kv = kv_k.shape[1] - 1 if self.safe else kv_k.shape[1]
+        G, hg, hg_pad = self._geometry(q, kv_k, BWD_MIN_HEADS)
         delta = row_delta(out, grad_out)
         qp = _pad_heads(q, G, hg, hg_pad)
         dop = _pad_heads(grad_out, G, hg, hg_pad)
         lsep = _pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
         deltap = _pad_heads(delta.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
-        kv_k, idx, extent = self._prepare(kv, indices, BLOCK_TOPK)
         B, T, Hp, Dqk = qp.shape
         if self.deterministic:
             dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, deltap, extent, G, hg_pad,
                                                    sm_scale, d_v)
-            return _unpad_heads(dq, G, hg, hg_pad), dkv[:, : kv.shape[1]].to(kv.dtype)
-        kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
-        dq = torch.empty_like(qp)
-        dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=kv.device)
-        if T > 0:
-            kernel(qp, kv_k, dop, idx, lsep, deltap, extent, dq, dkv)
-        return _unpad_heads(dq, G, hg, hg_pad), dkv[:, : kv.shape[1]].to(kv.dtype)
+        else:
+            small = hg_pad == 16
+            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
+                                           block_s=self.bwd_block_16 if small else None,
+                                           threads=self.bwd_threads_16 if small else 256)
+            dq = torch.empty_like(qp)
+            dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
+            if T > 0:
+                kernel(qp, kv_k, dop, idx, lsep, deltap, extent, dq, dkv)
+        dq = _unpad_heads(dq, G, hg, hg_pad)
+        return dq, finish_backward(dkv, n_kv, kv_k.dtype, dq, nonfinite_flag)
 
     def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, deltap, extent, G, hg_pad, sm_scale, d_v):
         """dq as usual (one block per query row, no atomics); dkv from per-slot contributions summed

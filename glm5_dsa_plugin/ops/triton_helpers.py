@@ -9,6 +9,9 @@
   pass: every slot outside [0, n_kv) -> n_kv (the zero sentinel row), topk padded to ``k_pad``,
   each row's extent (1 + position of its last valid slot), and optionally ``flags[0] = 1`` when
   an entry breaks the index rule (outside {-1} U [0, n_kv)).
+* ``finish_backward(dkv32, n_rows, dtype, dq, flags)``: the backward's last pass: dKV (fp32
+  accumulator with a sentinel row) -> the caller's dtype without the sentinel, and, in the same
+  launch, ``flags[0] = 1`` when that dKV or ``dq`` holds a NaN or +-inf (the guard's check).
 * ``segment_sum_rows(contrib, keys, out, src)``: deterministic scatter-add (the deterministic
   backward's dKV reduction), one program per destination row, fixed summation order.
 All run under ``TRITON_INTERPRET=1`` on CPU (how CI tests them).
@@ -79,6 +82,51 @@ def flag_nonfinite(x: torch.Tensor, flags: torch.Tensor, slot: int, y: torch.Ten
     grid = triton.cdiv(nx, block) + triton.cdiv(ny, block)
     if grid:
         _nonfinite_kernel[(grid,)](x.view(-1), nx, y.view(-1) if ny else x.view(-1), ny, flags, slot, BLOCK=block)
+
+
+@triton.jit
+def _finish_backward_kernel(DKV32, DKV, per_batch_in, per_batch_out, n_conv, DQ, n_dq, FLAGS, CHECK: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Programs [0, B * cdiv(per_batch_out, BLOCK)) convert dKV batch by batch (the sentinel rows
+    sit at each batch's end of DKV32 and are dropped); the rest only scan dQ."""
+    pid = tl.program_id(0).to(tl.int64)
+    nb = tl.cdiv(per_batch_out, BLOCK)
+    if pid < n_conv:
+        b = pid // nb
+        offs = (pid % nb) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < per_batch_out
+        x = tl.load(DKV32 + b * per_batch_in + offs, mask=m, other=0.0).to(DKV.dtype.element_ty)
+        tl.store(DKV + b * per_batch_out + offs, x, mask=m)
+        if CHECK:
+            y = x.to(tl.float32)
+            bad = tl.max(((y - y) != 0).to(tl.int32), axis=0)
+    else:
+        if CHECK:
+            bad = _any_nonfinite(DQ, (pid - n_conv) * BLOCK, n_dq, BLOCK)
+    if CHECK:
+        if bad > 0:
+            tl.atomic_max(FLAGS, 1)
+
+
+def finish_backward(dkv32: torch.Tensor, n_rows: int, dtype: torch.dtype, dq: torch.Tensor,
+                    flags: torch.Tensor | None = None, block: int = 8192) -> torch.Tensor:
+    """dkv32 [B, R, ...] fp32 (contiguous) -> dkv [B, n_rows, ...] in ``dtype`` (rows >= n_rows dropped).
+    With ``flags`` (int32 [1], device): ``flags[0]`` becomes 1 when the converted dkv or ``dq``
+    holds NaN/inf, in the same launch (no host sync)."""
+    if not dkv32.is_contiguous() or dkv32.dtype != torch.float32:
+        raise ValueError("finish_backward: contiguous fp32 dkv expected")
+    B, R = dkv32.shape[:2]
+    row = dkv32[0, 0].numel() if B and R else 0
+    out = torch.empty(B, n_rows, *dkv32.shape[2:], dtype=dtype, device=dkv32.device)
+    per_in, per_out = R * row, n_rows * row
+    n_conv = B * triton.cdiv(per_out, block)
+    dqc = dq.contiguous()
+    n_dq = dqc.numel() if flags is not None else 0
+    grid = n_conv + triton.cdiv(n_dq, block)
+    if grid:
+        _finish_backward_kernel[(grid,)](dkv32, out, per_in, per_out, n_conv, dqc.view(-1), n_dq,
+                                         out if flags is None else flags, CHECK=flags is not None, BLOCK=block)
+    return out
 
 
 @triton.jit
