@@ -7,11 +7,11 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-.}
-timeout 200 python3 -m pytest -m gpu tests -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" \
+timeout 190 python3 -m pytest -m gpu tests -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" \
   | grep -E "^E  .*(Error|assert)|^FAILED|passed|failed" | tail -12
 timeout 230 python3 scripts/bench_sparse_mla.py --reference W1:64 --host-profile --out "$OUT" 2>&1 | grep -v INFO | tail -40
 if [ "${LAUNCHERS:-0}" = 1 ]; then
   timeout 120 python3 scripts/gpu_launcher_proof.py --out "$OUT" 2>&1 | grep -E "^(lora|ppo|mtp) "
 else
-  timeout 140 python3 scripts/debug_kernel_rows.py 2>&1 | grep -v INFO | tee "$OUT/checks.log" | tail -8
+  timeout 150 python3 scripts/debug_kernel_rows.py 2>&1 | grep -v INFO | tee "$OUT/checks.log" | tail -8
 fi
