@@ -1,9 +1,9 @@
 """Forward variants on the H200: the default (16-row head tiles, direct gathers of the rewritten
-indices, 4 launches bucketed by row extent), one launch (no padding-tail skipping), and 64-row tiles bucketed with 32-slot blocks (``fwd_block_64=32``). Each is checked row by row against the reference on the
+indices, 4 launches bucketed by row extent), one launch (no padding-tail skipping) and in-kernel
+select. Each is checked row by row against the reference on the
 configurations that once failed (wrong rows 8..15 of 16-row tiles, 32-row tiles at topk 192) and
 on causal W2-like rows whose extents fall in every bucket, then timed: W2 H8/16/64 and W1 H64
-(fix cost vs safe=False). Then the backward's 16-row tile options (64 slots / 8 warps, 32 slots /
-4 warps): dq/dkv against the reference, and W2 H8/H16 backward timings."""
+(fix cost vs safe=False)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,7 +42,7 @@ T = 4096
 w2 = w2_indices(T, 2048, torch.Generator(device="cuda").manual_seed(0))[None]
 w1 = w1_indices(T, 8192, 2048, torch.Generator(device="cuda").manual_seed(0))[None]
 variants = {"default": TileLangBackend(), "1 launch": TileLangBackend(fwd_buckets=1),
-            "H64 bucketed, 32-slot blocks": TileLangBackend(fwd_block_64=32),
+            "select": TileLangBackend(fwd_select_in_kernel=True),
             "unsafe": TileLangBackend(safe=False, fwd_buckets=1)}
 
 
@@ -52,25 +52,11 @@ def warm(job):  # compile every kernel up front, nvcc runs in parallel
     be.forward(q, kv, idx, 0.0625, case[-1])
 
 
-bwd_variants = {"bwd default (64 slots, 8 warps)": TileLangBackend(),
-                "bwd 32 slots, 4 warps": TileLangBackend(bwd_block_16=32, bwd_threads_16=128)}
-bwd_cases = [(1, 300, 400, 8, 1, 320, 512), (2, 129, 300, 16, 1, 2048, 512), (1, 160, 300, 16, 1, 128, 256),
-             (1, 600, 600, 8, 1, 512, 512)]
-
-
-def warm_bwd(job):
-    be, case = job
-    q, kv, idx = inputs(*case, seed=0)
-    o, l = be.forward(q, kv, idx, 0.0625, case[-1])
-    be.backward(q, kv, idx, o, l, torch.zeros(*q.shape[:-1], case[-1], device="cuda", dtype=q.dtype), 0.0625, case[-1])
-
-
 w2_case = lambda H: (1, T, T, H, 1, 2048, 512)  # noqa: E731
 jobs = [(be, c) for k, be in variants.items() if k != "unsafe" for c in cases + [w2_case(8), w2_case(16), w2_case(64)]]
 jobs += [(be, (1, 64, 8192, 64, 1, 2048, 512)) for be in variants.values()]
 with ThreadPoolExecutor(8) as ex:
     list(ex.map(warm, jobs))
-    list(ex.map(warm_bwd, [(be, c) for be in bwd_variants.values() for c in bwd_cases + [w2_case(8), w2_case(16)]]))
 torch.cuda.synchronize()
 
 for key, be in variants.items():
@@ -87,27 +73,3 @@ for key, be in variants.items():
     kv = torch.randn(1, 8192, 1, 576, device="cuda", dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: be.forward(q, kv, w1, 0.0625, 512), return_mode="median")
     print(line + f", W1 H64 fwd {ms:.3f} ms", flush=True)
-
-
-for key, be in bwd_variants.items():
-    worst = 0.0
-    for case in bwd_cases:
-        for seed in (0, 1):
-            d_v = case[-1]
-            q, kv, idx = inputs(*case, seed=seed)
-            gen = torch.Generator(device="cuda").manual_seed(seed + 7)
-            g = torch.randn(*q.shape[:-1], d_v, generator=gen, device="cuda", dtype=torch.bfloat16)
-            o, l = be.forward(q, kv, idx, 0.0625, d_v)
-            dq, dkv = be.backward(q, kv, idx, o, l, g, 0.0625, d_v)
-            r_dq, r_dkv = ref.backward(q.float(), kv.float(), idx, g.float(), 0.0625, d_v)
-            for a, b in ((dq, r_dq), (dkv, r_dkv)):
-                worst = max(worst, ((a.float() - b).norm() / b.norm()).item())
-    line = f"{key}: max rel(dq, dkv) {worst:.2e}"
-    for H in (8, 16):
-        q = torch.randn(1, T, H, 576, device="cuda", dtype=torch.bfloat16)
-        kv = torch.randn(1, T, 1, 576, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn(1, T, H, 512, device="cuda", dtype=torch.bfloat16)
-        o, l = be.forward(q, kv, w2, 0.0625, 512)
-        ms = triton.testing.do_bench(lambda: be.backward(q, kv, w2, o, l, g, 0.0625, 512), return_mode="median")
-        line += f", W2 H{H} bwd {ms:.3f} ms"
-    print(line, flush=True)

@@ -84,6 +84,15 @@ for shape, k_pad, n_kv, wild_frac in cases:
         assert ext[0, 0, 0].item() == 0
         assert flags.tolist() == ([w_bad, 0] if check else [0, 0]), (flags, w_bad, check)
         assert int(out.min()) >= 0 and int(out.max()) <= n_kv
+# with kv: the same indices, plus kv with one zero row appended per batch (bit-exact copy)
+for B, n_kv, G, D in [(2, 50, 1, 576), (3, 7, 2, 40), (1, 3000, 1, 64)]:
+    kv = torch.randn(B, n_kv, G, D, generator=g).bfloat16()
+    idx = torch.randint(-1, n_kv, (B, 5, G, 64), generator=g, dtype=torch.int32)
+    out, ext, kv_k = prepare_indices(idx, n_kv, 64, None, kv=kv)
+    w_out, w_ext, _ = oracle(idx, n_kv, 64)
+    assert torch.equal(out, w_out) and torch.equal(ext, w_ext)
+    assert kv_k.shape == (B, n_kv + 1, G, D) and torch.equal(kv_k[:, :n_kv], kv)
+    assert torch.equal(kv_k[:, n_kv], torch.zeros_like(kv_k[:, n_kv])), (B, n_kv)
 print("OK")
 """
 
@@ -91,7 +100,8 @@ print("OK")
 def test_prepare_indices_matches_the_index_rule_in_interpreter():
     """Every slot outside [0, T_kv) (padding, negatives, T_kv, 2^31-1) becomes the sentinel T_kv,
     valid slots are kept, topk is padded, extent = 1 + last valid position, the flag is set
-    exactly when the contract's rule is broken (and only when asked)."""
+    exactly when the contract's rule is broken (and only when asked); the same launch copies kv
+    and appends each batch's zero sentinel row."""
     _interpret(PREPARE)
 
 
@@ -156,7 +166,7 @@ def test_forward_buckets_cover_every_row_once():
 def test_deterministic_variant_keeps_every_setting():
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
-    be = TileLangBackend(fwd_min_heads=32, fwd_buckets=2, fwd_block_64=32, fwd_select_in_kernel=True,
+    be = TileLangBackend(fwd_min_heads=32, fwd_buckets=2, fwd_block_16=32, fwd_select_in_kernel=True,
                          slot_buffer_bytes=1 << 20)
     det = be.deterministic_variant()
     assert det.deterministic and not be.deterministic

@@ -175,9 +175,33 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+class _FlagPool:
+    """Zeroed int32 [2] flag buffers ([index rule violated, some output nonfinite]), each used
+    once, cut from a zeroed block of ``SLOTS`` per (device, stream); a new block (one fill) when
+    it runs out. One allocation + fill per call was a visible part of the host time that a
+    guard sync exposes. Per stream, so the block's fill is ordered before every kernel that
+    sets one of its flags."""
+
+    SLOTS = 2048
+
+    def __init__(self):
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        key = (device, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (device,)
+        free = self._free.get(key)
+        if not free:
+            block = torch.zeros(self.SLOTS, 2, dtype=torch.int32, device=device)
+            free = self._free[key] = list(reversed(block.unbind(0)))
+        return free.pop()
+
+
+_flag_pool = _FlagPool()
+
+
 def _new_flags(device: torch.device) -> torch.Tensor:
-    """int32 [2]: [index rule violated, some output nonfinite], read with one host copy."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
+    """int32 [2], zero: [index rule violated, some output nonfinite], read with one host copy."""
+    return _flag_pool.take(device)
 
 
 def _all_finite(a: torch.Tensor, b: torch.Tensor) -> bool:

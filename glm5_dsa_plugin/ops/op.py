@@ -17,6 +17,7 @@ class _SparseMLAFunction(torch.autograd.Function):
         ctx.save_for_backward(q, out, lse, *saved)
         ctx.sm_scale, ctx.d_v, ctx.backend, ctx.topk = sm_scale, d_v, backend, indices.shape[-1]
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (one fill per backward)
         return out, lse
 
     @staticmethod

@@ -10,7 +10,8 @@ Padding done here (so the kernels never index past a buffer):
     value a caller passes can make a kernel touch memory out of bounds (validation may
     therefore be read after the kernel);
   * kv gets one all-zero sentinel row appended (row T_kv): those slots gather it
-    (see tilelang_kernels). The copy is one pass over kv, small next to the kernel.
+    (see tilelang_kernels). The copy is made in the same launch, small next to the kernel.
+These prepared inputs are built once per call and kept for the backward (``save``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def _import_status() -> tuple[bool, str]:
     except Exception as exc:  # noqa: BLE001 - report the reason to the user
         return False, f"tilelang does not import: {type(exc).__name__}: {exc}"
     return True, f"tilelang {tilelang.__version__}"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_status(index: int) -> tuple[bool, str]:
+    """Whether the kernels run on CUDA device ``index`` (asked once per device: the op checks it per call)."""
+    cap = torch.cuda.get_device_capability(index)
+    if cap < MIN_CAPABILITY:
+        return False, f"GPU compute capability {cap} < sm_90 (kernels use Hopper wgmma)"
+    return True, f"{_import_status()[1]} on {torch.cuda.get_device_name(index)} (sm_{cap[0]}{cap[1]})"
 
 
 # Smallest head tile per kernel (heads per kv group are zero-padded up to it). 16-row forward
@@ -80,11 +90,6 @@ def _pad_topk(indices: torch.Tensor, block: int) -> torch.Tensor:
     return F.pad(indices, (0, block - k % block), value=-1).contiguous()
 
 
-def _with_sentinel_row(kv: torch.Tensor) -> torch.Tensor:
-    """[B, T_kv, G, D] -> [B, T_kv + 1, G, D] whose last row is zero."""
-    return torch.cat([kv, kv.new_zeros(kv.shape[0], 1, *kv.shape[2:])], dim=1)
-
-
 def forward_buckets(n_blocks: int, buckets: int) -> list[tuple[int, int]]:
     """Split [0, n_blocks] slot blocks into ``buckets`` launches (lo, hi]: a row needing b blocks
     runs in the launch with lo < b <= hi (b = 0 in the first) and computes hi blocks, so the
@@ -93,18 +98,18 @@ def forward_buckets(n_blocks: int, buckets: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
-def forward_launches(hg_pad: int, n_blocks: int, buckets: int, block: int = 64) -> list[tuple[int, int]]:
-    """The forward's launches (lo, hi] for ``hg_pad`` heads per group and ``n_blocks`` slot blocks
-    of ``block`` slots.
+def forward_launches(hg_pad: int, n_blocks: int, buckets: int) -> list[tuple[int, int]]:
+    """The forward's launches (lo, hi] for ``hg_pad`` heads per group and ``n_blocks`` slot blocks.
 
     One launch for short topk (< 8 blocks: little tail to skip, fewer kernels to compile) and for
-    64-row head tiles with 64-slot blocks: TileLang 0.1.15 stops reusing the reductions' shared
-    workspaces once the pipelined loop sits under the bucket's row test, which takes that tile to
-    230 KB, over Hopper's 227 KB (the launch fails; tests/test_tilelang_compile.py checks every
-    plan). With 32-slot blocks (``fwd_block_64=32``, 154 KB) the 64-row tile can be bucketed."""
+    64-row head tiles: TileLang 0.1.15 stops reusing the reductions' shared workspaces once the
+    pipelined loop sits under the bucket's row test, which takes that tile to 230 KB, over
+    Hopper's 227 KB (the launch fails; tests/test_tilelang_compile.py checks every plan). With
+    32-slot blocks it fits (154 KB) but is slower at W2 H64 than one launch of 64-slot blocks
+    (4.71 vs 4.42 ms; benchmarks/results/2026-11-29_h200_v6a_variants.log), so it is not offered."""
     from .tilelang_kernels import head_block
 
-    if n_blocks < 8 or (head_block(hg_pad) >= 64 and block > 32):
+    if n_blocks < 8 or head_block(hg_pad) >= 64:
         buckets = 1
     return forward_buckets(n_blocks, buckets)
 
@@ -116,10 +121,9 @@ class TileLangBackend:
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_block_64: int = 64,
-                 bwd_block_16: int = 64, bwd_threads_16: int = 256):
-        if fwd_block_16 not in (32, 64) or fwd_block_64 not in (32, 64):
-            raise ValueError("forward slot blocks are 32 or 64 (topk is padded to a multiple of 64 once per call)")
+                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4):
+        if fwd_block_16 not in (32, 64):
+            raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
         self.safe = safe
         # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
         # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
@@ -127,19 +131,12 @@ class TileLangBackend:
         self.fwd_select_in_kernel = fwd_select_in_kernel
         # forward launches per call, by slot blocks needed (skips pure-padding tails; 1 = no skipping)
         self.fwd_buckets = fwd_buckets
-        # slot block of the forward for 64-row head tiles (32 lets them be bucketed; not measured yet)
-        self.fwd_block_64 = fwd_block_64
         # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
         # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
         self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
         self.fwd_min_heads = fwd_min_heads
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
-        # backward launch shape for 16-row head tiles (H <= 16 per group): 64 slots / 8 warps, or
-        # 32 slots / 4 warps (108 KB of shared memory: two blocks per SM instead of one)
-        if (bwd_block_16, bwd_threads_16) not in ((64, 256), (32, 128)):
-            raise ValueError("bwd_block_16/bwd_threads_16: (64, 256) or (32, 128)")
-        self.bwd_block_16, self.bwd_threads_16 = bwd_block_16, bwd_threads_16
 
     def deterministic_variant(self) -> "TileLangBackend":
         """The same kernels (every setting kept) with a backward whose dq/dkv are bitwise reproducible."""
@@ -158,10 +155,7 @@ class TileLangBackend:
             return False, reason
         if not torch.cuda.is_available():
             return False, "no CUDA device"
-        cap = torch.cuda.get_device_capability()
-        if cap < MIN_CAPABILITY:
-            return False, f"GPU compute capability {cap} < sm_90 (kernels use Hopper wgmma)"
-        return True, f"{reason} on {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]})"
+        return _device_status(torch.cuda.current_device())
 
     def _check(self, q, kv, d_v):
         from .tilelang_kernels import check_split
@@ -182,8 +176,8 @@ class TileLangBackend:
 
         k_pad = -(-indices.shape[-1] // BLOCK_TOPK) * BLOCK_TOPK
         if self.safe:
-            idx, extent = prepare_indices(indices, kv.shape[1], k_pad, index_flag)
-            return _with_sentinel_row(kv), idx, extent
+            idx, extent, kv_k = prepare_indices(indices, kv.shape[1], k_pad, index_flag, kv=kv)
+            return kv_k, idx, extent
         idx = _pad_topk(indices, BLOCK_TOPK)
         return kv.contiguous(), idx, torch.full(idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
 
@@ -217,12 +211,12 @@ class TileLangBackend:
         G, hg, hg_pad = self._geometry(q, kv, self.fwd_min_heads)
         qp = _pad_heads(q, G, hg, hg_pad)
         small = hg_pad == 16
-        block = self.fwd_block_16 if small else self.fwd_block_64 if hg_pad >= 64 else BLOCK_TOPK
+        block = self.fwd_block_16 if small else BLOCK_TOPK
         B, T, Hp, Dqk = qp.shape
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
         n_blocks = idx.shape[-1] // block
-        for lo, hi in forward_launches(hg_pad, n_blocks, self.fwd_buckets if T > 0 else 1, block):
+        for lo, hi in forward_launches(hg_pad, n_blocks, self.fwd_buckets if T > 0 else 1):
             kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
                                            block_i=block, threads=self.fwd_threads_16 if small else 256,
                                            select_in_kernel=self.fwd_select_in_kernel,
@@ -256,10 +250,7 @@ class TileLangBackend:
             dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, deltap, extent, G, hg_pad,
                                                    sm_scale, d_v)
         else:
-            small = hg_pad == 16
-            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
-                                           block_s=self.bwd_block_16 if small else None,
-                                           threads=self.bwd_threads_16 if small else 256)
+            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
             if T > 0:

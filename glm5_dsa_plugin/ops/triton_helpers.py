@@ -5,10 +5,10 @@
 * ``flag_nonfinite(x, flags, slot, y=None)``: sets ``flags[slot] = 1`` (int32, device) when ``x``
   (or ``y``) holds a NaN or +-inf, one launch, no host sync; several checks share one flags
   buffer so a caller reads all of them with one small device-to-host copy.
-* ``prepare_indices(indices, n_kv, k_pad, flags)``: the TileLang kernels' index tensor in one
-  pass: every slot outside [0, n_kv) -> n_kv (the zero sentinel row), topk padded to ``k_pad``,
-  each row's extent (1 + position of its last valid slot), and optionally ``flags[0] = 1`` when
-  an entry breaks the index rule (outside {-1} U [0, n_kv)).
+* ``prepare_indices(indices, n_kv, k_pad, flags, kv)``: the TileLang kernels' inputs in one
+  launch: every slot outside [0, n_kv) -> n_kv (the zero sentinel row), topk padded to ``k_pad``,
+  each row's extent (1 + position of its last valid slot), optionally ``flags[0] = 1`` when an
+  entry breaks the index rule (outside {-1} U [0, n_kv)), and optionally kv with the sentinel row.
 * ``finish_backward(dkv32, n_rows, dtype, dq, flags)``: the backward's last pass: dKV (fp32
   accumulator with a sentinel row) -> the caller's dtype without the sentinel, and, in the same
   launch, ``flags[0] = 1`` when that dKV or ``dq`` holds a NaN or +-inf (the guard's check).
@@ -130,28 +130,41 @@ def finish_backward(dkv32: torch.Tensor, n_rows: int, dtype: torch.dtype, dq: to
 
 
 @triton.jit
-def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, CHECK: tl.constexpr, BK: tl.constexpr):
+def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, n_rows, KV, KVK, per_batch_in, per_batch_out,
+                            CHECK: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
+    """Programs [0, n_rows): one index row each. The rest (when KV is given): copy kv batch by
+    batch into KVK, whose extra last row per batch reads as zeros (the sentinel)."""
     row = tl.program_id(0).to(tl.int64)
-    ext = tl.zeros([BK], dtype=tl.int32)
-    bad = tl.zeros([BK], dtype=tl.int32)
-    c0 = 0
-    while c0 < K_PAD:
-        cols = c0 + tl.arange(0, BK)
-        x = tl.load(IDX + row * K + cols, mask=cols < K, other=-1)
-        ok = (x >= 0) & (x < n_kv)
-        bad = tl.maximum(bad, ((x < -1) | (x >= n_kv)).to(tl.int32))
-        tl.store(OUT + row * K_PAD + cols, tl.where(ok, x, n_kv), mask=cols < K_PAD)
-        ext = tl.maximum(ext, tl.where(ok, cols + 1, 0))
-        c0 += BK
-    tl.store(EXT + row, tl.max(ext, axis=0))
-    if CHECK:
-        if tl.max(bad, axis=0) > 0:
-            tl.atomic_max(FLAGS, 1)
+    if row < n_rows:
+        ext = tl.zeros([BK], dtype=tl.int32)
+        bad = tl.zeros([BK], dtype=tl.int32)
+        c0 = 0
+        while c0 < K_PAD:
+            cols = c0 + tl.arange(0, BK)
+            x = tl.load(IDX + row * K + cols, mask=cols < K, other=-1)
+            ok = (x >= 0) & (x < n_kv)
+            bad = tl.maximum(bad, ((x < -1) | (x >= n_kv)).to(tl.int32))
+            tl.store(OUT + row * K_PAD + cols, tl.where(ok, x, n_kv), mask=cols < K_PAD)
+            ext = tl.maximum(ext, tl.where(ok, cols + 1, 0))
+            c0 += BK
+        tl.store(EXT + row, tl.max(ext, axis=0))
+        if CHECK:
+            if tl.max(bad, axis=0) > 0:
+                tl.atomic_max(FLAGS, 1)
+    else:
+        c = row - n_rows
+        nb = tl.cdiv(per_batch_out, BC)
+        b = c // nb
+        offs = (c % nb) * BC + tl.arange(0, BC)
+        x = tl.load(KV + b * per_batch_in + offs, mask=offs < per_batch_in, other=0.0)
+        tl.store(KVK + b * per_batch_out + offs, x, mask=offs < per_batch_out)
 
 
-def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int,
-                    flags: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """indices [..., K] int32 -> (kernel indices [..., k_pad] int32 in [0, n_kv], extent [...] int32).
+def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.Tensor | None = None,
+                    kv: torch.Tensor | None = None):
+    """indices [..., K] int32 -> (kernel indices [..., k_pad] int32 in [0, n_kv], extent [...] int32)
+    and, when ``kv`` [B, n_kv, ...] is given, also kv with one zero row appended per batch
+    ([B, n_kv + 1, ...], the sentinel the rewritten slots read) as a third result.
 
     Kernel indices: slot j < K keeps its index if it lies in [0, n_kv), else becomes ``n_kv``;
     slots K..k_pad-1 are ``n_kv``. Extent: 1 + the last position holding a valid index (0: none).
@@ -166,11 +179,25 @@ def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int,
     out = torch.empty(*idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
     ext = torch.empty(idx.shape[:-1], dtype=torch.int32, device=idx.device)
     n_rows = ext.numel()
-    if n_rows:
+    BC = 4096
+    with_kv = kv is not None
+    if with_kv:
+        if kv.shape[1] != n_kv:
+            raise ValueError(f"prepare_indices: kv has {kv.shape[1]} rows, n_kv={n_kv}")
+        kv = kv.contiguous()
+        kv_k = torch.empty(kv.shape[0], n_kv + 1, *kv.shape[2:], dtype=kv.dtype, device=kv.device)
+        row = kv[0, 0].numel() if kv.shape[0] else 0
+        per_in, per_out = n_kv * row, (n_kv + 1) * row
+        n_copy = kv.shape[0] * triton.cdiv(per_out, BC)
+    else:
+        kv = kv_k = ext
+        per_in = per_out = n_copy = 0
+    if n_rows + n_copy:
         BK = min(1024, triton.next_power_of_2(k_pad))
-        _prepare_indices_kernel[(n_rows,)](idx, out, ext, ext if flags is None else flags, K, k_pad, n_kv,
-                                           CHECK=flags is not None, BK=BK)
-    return out, ext
+        _prepare_indices_kernel[(n_rows + n_copy,)](idx, out, ext, ext if flags is None else flags, K, k_pad, n_kv,
+                                                    n_rows, kv, kv_k, per_in, per_out,
+                                                    CHECK=flags is not None, BK=BK, BC=BC)
+    return (out, ext, kv_k) if with_kv else (out, ext)
 
 
 @triton.jit
