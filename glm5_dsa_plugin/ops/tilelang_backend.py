@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .contract import SparseMLAInputError
-from .triton_helpers import finish_backward, prepare_indices, row_delta
+from .triton_helpers import finish_backward, prepare_indices
 
 MIN_CAPABILITY = (9, 0)
 
@@ -240,25 +240,25 @@ class TileLangBackend:
         kv_k, idx, extent = saved
         n_kv = kv_k.shape[1] - 1 if self.safe else kv_k.shape[1]
         G, hg, hg_pad = self._geometry(q, kv_k, BWD_MIN_HEADS)
-        delta = row_delta(out, grad_out)
-        qp = _pad_heads(q, G, hg, hg_pad)
-        dop = _pad_heads(grad_out, G, hg, hg_pad)
-        lsep = _pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
-        deltap = _pad_heads(delta.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
+        if hg == hg_pad:  # (the common case: no padding ops on the host path)
+            qp, dop, outp, lsep = q.contiguous(), grad_out.contiguous(), out.contiguous(), lse.contiguous()
+        else:
+            qp, dop, outp = (_pad_heads(x, G, hg, hg_pad) for x in (q, grad_out, out))
+            lsep = _pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
         B, T, Hp, Dqk = qp.shape
         if self.deterministic:
-            dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, deltap, extent, G, hg_pad,
+            dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad,
                                                    sm_scale, d_v)
         else:
             kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
             if T > 0:
-                kernel(qp, kv_k, dop, idx, lsep, deltap, extent, dq, dkv)
+                kernel(qp, kv_k, dop, idx, lsep, outp, extent, dq, dkv)
         dq = _unpad_heads(dq, G, hg, hg_pad)
         return dq, finish_backward(dkv, n_kv, kv_k.dtype, dq, nonfinite_flag)
 
-    def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, deltap, extent, G, hg_pad, sm_scale, d_v):
+    def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad, sm_scale, d_v):
         """dq as usual (one block per query row, no atomics); dkv from per-slot contributions summed
         per kv row by ``segment_sum_rows`` in slot order, chunk after chunk of query rows."""
         from .tilelang_kernels import head_block, sparse_mla_bwd_kernel
@@ -282,7 +282,7 @@ class TileLangBackend:
             idx_c = part(idx)
             slots = torch.empty(B, t1 - t0, G * nh, K, Dqk, dtype=torch.float32, device=dev)
             dq_c = torch.empty(B, t1 - t0, Hp, Dqk, dtype=qp.dtype, device=dev)
-            kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(deltap), part(extent), dq_c, slots)
+            kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(outp), part(extent), dq_c, slots)
             dq[:, t0:t1] = dq_c
             # slot (b, t, g*nh + hb, j) adds to kv row (b, idx[b, t, g, j], g)
             key = ((b_off + idx_c.long()) * G + g_off).unsqueeze(3).expand(B, t1 - t0, G, nh, K).reshape(-1)

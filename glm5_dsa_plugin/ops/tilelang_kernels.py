@@ -209,7 +209,8 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_s=None, threads=256,
                           target="cuda", dkv_per_slot=False):
     """Q [B,T,H,Dqk], KV [B,T_kv+1,G,Dqk] (as forward), dO [B,T,H,d_v] bf16, Indices [B,T,G,topk],
-    Lse [B,T,H] f32 (natural), Delta [B,T,H] f32 = rowsum(O*dO), Extent [B,T,G] i32 (as forward:
+    Lse [B,T,H] f32 (natural), O [B,T,H,d_v] bf16 (the forward's out: each block computes its rows'
+    Delta = rowsum(O*dO) itself, no preprocessing pass), Extent [B,T,G] i32 (as forward:
     1 + position of the last valid slot; the BS-slot blocks after it are skipped)
     -> dQ [B,T,H,Dqk] bf16 (written), dKV [B,T_kv+1,G,Dqk] f32 (accumulated atomically; caller zeroes).
     ``dkv_per_slot`` (deterministic mode): no atomics; instead dKV [B,T,G*nh,topk,Dqk] f32 receives each
@@ -229,6 +230,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
     n_kv = SKV1 - 1 if safe else SKV1
     dkv_shape = [B, S, kv_group * nh, topk, D + DT] if dkv_per_slot else [B, SKV1, kv_group, D + DT]
+    DC = 64  # Delta is summed DC columns at a time (a small fragment next to the dQ accumulator)
 
     @T.prim_func
     def bwd(
@@ -237,7 +239,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
         dO: T.Tensor([B, S, heads, D], dtype),
         Indices: T.Tensor([B, S, kv_group, topk], T.int32),
         Lse: T.Tensor([B, S, heads], acc),
-        Delta: T.Tensor([B, S, heads], acc),
+        O: T.Tensor([B, S, heads, D], dtype),
         Extent: T.Tensor([B, S, kv_group], T.int32),
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
         dKV: T.Tensor(dkv_shape, acc),
@@ -261,6 +263,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             acc_dkvt = T.alloc_fragment([BS, DT], acc)
             dkv_s = T.alloc_shared([R, D], acc)
             dkvt_s = T.alloc_shared([R, DT], acc)
+            delta_s = T.alloc_shared([h_blk], acc)
 
             for h, d in T.Parallel(h_blk, D):
                 q_s[h, d] = Q[b, s, h0 + h, d]
@@ -269,6 +272,22 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                 qt_s[h, d] = Q[b, s, h0 + h, D + d]
             T.clear(acc_dq)
             T.clear(acc_dqt)
+            # Delta = rowsum(O * dO), DC columns at a time
+            od = T.alloc_fragment([h_blk, DC], acc)
+            od_sum = T.alloc_fragment([h_blk], acc)
+            delta = T.alloc_fragment([h_blk], acc)
+            T.clear(delta)
+            for c in T.serial(D // DC):
+                for h, d in T.Parallel(h_blk, DC):
+                    od[h, d] = T.cast(O[b, s, h0 + h, c * DC + d], acc) * T.cast(dO[b, s, h0 + h, c * DC + d], acc)
+                T.reduce_sum(od, od_sum, dim=1)
+                for h in T.Parallel(h_blk):
+                    delta[h] = delta[h] + od_sum[h]
+            # staged through shared memory: the loop below reads it in the gemm's own layout
+            for h in T.Parallel(h_blk):
+                delta_s[h] = delta[h]
+            # a reduction's shared workspace may alias buffers written next (see the forward)
+            T.sync_threads()
 
             # blocks of pure padding after the row's last valid slot are skipped, not computed as zeros
             for i in T.serial(T.min(slot_blocks(Extent[b, s, g], BS), NS)):
@@ -288,7 +307,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                 T.copy(acc_p, p_s)
                 T.gemm(do_s, kv_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
                 for h, j in T.Parallel(h_blk, BS):
-                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b, s, h0 + h]) * scale
+                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_s[h]) * scale
                 T.copy(acc_dp, dp_s)
                 T.gemm(dp_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(dp_s, kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullCol)
