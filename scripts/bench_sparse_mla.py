@@ -264,17 +264,8 @@ def main():
                 extra[f"W1_H64_kernel_fwd_ms_safe={safe}"] = bench(lambda: be.forward(q, kv, idx[None], SCALE, D_V))
                 extra[f"W1_H64_kernel_bwd_ms_safe={safe}"] = bench(
                     lambda: be.backward(q, kv, idx[None], o, l, g, SCALE, D_V))
-    # W2 forward kernels with and without the in-loop tail skip (same run, same inputs)
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
-
-    idx = w2_indices(4096, 2048, gen)
-    for H in (64, 16):
-        q = torch.randn(1, 4096, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-        kv = torch.randn(1, 4096, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-        for skip in (True, False):
-            be = TileLangBackend(fwd_skip_in_loop=skip)
-            extra[f"W2_H{H}_kernel_fwd_ms_skip_in_loop={skip}"] = bench(lambda: be.forward(q, kv, idx[None], SCALE, D_V))
     # guard overhead at W2 H64
+    idx = w2_indices(4096, 2048, gen)
     q = torch.randn(4096, 64, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     kv = torch.randn(4096, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(4096, 64, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -58,11 +58,9 @@ def test_every_forward_launch_fits_in_shared_memory(hg):
     for lo, hi in plan:
         k = sparse_mla_fwd_kernel(hg_pad, 512, 64, 2048, 1, 256**-0.5, target=SM90, block_i=block,
                                   select_in_kernel=be.fwd_select_in_kernel,
-                                  blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi),
-                                  skip_in_loop=be.fwd_skip_in_loop)
+                                  blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi))
         assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM, (hg, lo, hi, _requested_dyn_smem(k))
-        # the bucket's row test and the per-block skip kept the gathers asynchronous
-        assert "cp_async" in k.get_kernel_source()
+        assert "cp_async" in k.get_kernel_source()  # the bucket's row test kept async gathers
 
 
 def test_shared_memory_probe_sees_the_oversized_kernel():

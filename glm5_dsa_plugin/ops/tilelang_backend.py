@@ -121,7 +121,7 @@ class TileLangBackend:
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_skip_in_loop: bool = True):
+                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4):
         if fwd_block_16 not in (32, 64):
             raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
         self.safe = safe
@@ -131,10 +131,6 @@ class TileLangBackend:
         self.fwd_select_in_kernel = fwd_select_in_kernel
         # forward launches per call, by slot blocks needed (skips pure-padding tails; 1 = no skipping)
         self.fwd_buckets = fwd_buckets
-        # inside each launch, slot blocks past a row's last valid slot skip the math (their gathers
-        # still run, reading the sentinel row, so the loop stays pipelined): the tail skip for
-        # 64-row tiles, which cannot be bucketed
-        self.fwd_skip_in_loop = fwd_skip_in_loop
         # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
         # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
         self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
@@ -224,8 +220,7 @@ class TileLangBackend:
             kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
                                            block_i=block, threads=self.fwd_threads_16 if small else 256,
                                            select_in_kernel=self.fwd_select_in_kernel,
-                                           blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi),
-                                           skip_in_loop=self.fwd_skip_in_loop)
+                                           blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi))
             if T > 0:
                 kernel(qp, kv_k, idx, extent, out, lse)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved

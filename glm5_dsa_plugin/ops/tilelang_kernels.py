@@ -70,12 +70,6 @@ def slot_blocks(extent, block):
     return (extent + block - 1) // block
 
 
-def live_block(i, n_blocks, enabled):
-    """Whether slot block ``i`` of a row needing ``n_blocks`` is computed (static True when skipping
-    inside the loop is off)."""
-    return i < n_blocks if enabled else True
-
-
 def in_bucket(n_blocks, lo, hi, n_all):
     """Whether a row needing ``n_blocks`` belongs to the launch for (lo, hi]; the first bucket
     also takes rows with no valid slot. Static True for a single launch over all ``n_all`` blocks."""
@@ -96,8 +90,7 @@ def gather_row(idx, n_rows, select):
 
 @functools.lru_cache(maxsize=None)
 def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_i=BLOCK_TOPK,
-                          num_stages=2, threads=256, target="cuda", select_in_kernel=True, blocks=None,
-                          skip_in_loop=False):
+                          num_stages=2, threads=256, target="cuda", select_in_kernel=True, blocks=None):
     """Q [B,T,H,Dqk] bf16, KV [B,T_kv+1,G,Dqk] bf16 (last row zero; T_kv rows when not safe),
     Indices [B,T,G,topk] i32 (host-rewritten to [0, T_kv], T_kv = padding; -1 padding when not safe) -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log).
     Extent [B,T,G] i32: 1 + position of the row's last valid slot (0: none; see ``slot_blocks``).
@@ -105,9 +98,7 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     in bounds only because ``prepare_indices`` ran).
     ``blocks=(lo, hi)``: this launch handles only the rows needing more than ``lo`` and at most
     ``hi`` slot blocks, and runs ``hi`` of them (a static, pipelined loop): the host launches one
-    kernel per bucket so pure-padding tails are skipped (default: one launch, every block).
-    ``skip_in_loop``: the pipelined loop still runs ``hi`` steps, but a step past the row's last
-    valid block gathers and computes nothing (the tail skip for tiles that cannot be bucketed)."""
+    kernel per bucket so pure-padding tails are skipped (default: one launch, every block)."""
     assert topk % block_i == 0 and heads % kv_group == 0
     hg = heads // kv_group
     h_blk = head_block(hg)
@@ -165,33 +156,32 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                     for j, d in T.Parallel(BI, DT):
                         kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, D + d]
 
-                    if live_block(i, slot_blocks(Extent[b, s, g], BI), skip_in_loop):
-                        for h, j in T.Parallel(h_blk, BI):
-                            acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
-                        T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.copy(m, m_prev)
-                        T.reduce_max(acc_s, m, dim=1, clear=False)
-                        for h in T.Parallel(h_blk):
-                            m[h] = T.max(m[h], m_prev[h])
-                            alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
-                        for h, j in T.Parallel(h_blk, BI):
-                            acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
-                        T.reduce_sum(acc_s, blk_sum, dim=1)
-                        for h in T.Parallel(h_blk):
-                            row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
-                        for h, d in T.Parallel(h_blk, D):
-                            acc_o[h, d] = acc_o[h, d] * alpha[h]
-                        if h_blk < 64:
-                            # TileLang 0.1.15 places reduce_sum's cross-warp workspace at p_s's address for
-                            # 16- and 32-row head tiles (mma path; the 64-row wgmma tile keeps them apart)
-                            # and emits no barrier between the reduction's last workspace read and this
-                            # write, so a fast warp can overwrite partial row sums a slow warp is still
-                            # reading. Seen in the generated CUDA; matches the wrong rows 8..15 of 16-row
-                            # tiles and the intermittent 32-row failures at topk 192.
-                            T.sync_threads()
-                        T.copy(acc_s, p_s)
-                        T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    for h, j in T.Parallel(h_blk, BI):
+                        acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
+                    T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(m, m_prev)
+                    T.reduce_max(acc_s, m, dim=1, clear=False)
+                    for h in T.Parallel(h_blk):
+                        m[h] = T.max(m[h], m_prev[h])
+                        alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
+                    for h, j in T.Parallel(h_blk, BI):
+                        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
+                    T.reduce_sum(acc_s, blk_sum, dim=1)
+                    for h in T.Parallel(h_blk):
+                        row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
+                    for h, d in T.Parallel(h_blk, D):
+                        acc_o[h, d] = acc_o[h, d] * alpha[h]
+                    if h_blk < 64:
+                        # TileLang 0.1.15 places reduce_sum's cross-warp workspace at p_s's address for
+                        # 16- and 32-row head tiles (mma path; the 64-row wgmma tile keeps them apart)
+                        # and emits no barrier between the reduction's last workspace read and this
+                        # write, so a fast warp can overwrite partial row sums a slow warp is still
+                        # reading. Seen in the generated CUDA; matches the wrong rows 8..15 of 16-row
+                        # tiles and the intermittent 32-row failures at topk 192.
+                        T.sync_threads()
+                    T.copy(acc_s, p_s)
+                    T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
                 if safe:
                     # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE
