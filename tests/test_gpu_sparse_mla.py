@@ -121,19 +121,21 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
     assert torch.equal(dq1, dq2)  # dkv uses atomics: order-dependent, compared in the other tests
 
 
-@pytest.mark.parametrize("H,K", [(64, 128), (16, 512)])
-def test_nan_guard_regions_untouched(H, K):
+@pytest.mark.parametrize("H,K,buckets_64", [(64, 128, 1), (16, 512, 1), (64, 512, 8)])
+def test_nan_guard_regions_untouched(H, K, buckets_64):
     """Every buffer the kernels touch sits inside NaN-filled guard regions (safe-memory pass off):
     results finite and exact, every guard element unchanged after forward and backward. The
-    forward runs the backend's own launch plan (H=16, topk 512: four row buckets)."""
+    forward runs the backend's own launch plan (H=16, topk 512: four row buckets; H=64 with
+    ``fwd_buckets_64=8``: eight single-stage buckets)."""
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, forward_launches
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
     from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, T_kv, D, GUARD = 300, 257, 576, 1 << 16
-    plan = forward_launches(H, K // 64, TileLangBackend().fwd_buckets)
-    assert len(plan) == (1 if H == 64 else 4)
+    be = TileLangBackend(fwd_buckets_64=buckets_64)
+    plan = forward_launches(H, K // 64, be.fwd_buckets, be.fwd_buckets_64)
+    assert len(plan) == (buckets_64 if H == 64 else 4)
 
     def guarded(shape, dtype, fill=None):
         n = torch.Size(shape).numel()
@@ -161,8 +163,8 @@ def test_nan_guard_regions_untouched(H, K):
     lse_buf, lse = guarded((1, T, H), torch.float32)
     kidx, extent = prepare_indices(idx, T_kv, K)  # the backend's rewrite: values in [0, T_kv]
     # the forward as the backend runs it: direct gathers of the rewritten indices, its launch plan
-    for lo, hi in plan:
-        sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE, select_in_kernel=False,
+    for lo, hi, stages in plan:
+        sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE, select_in_kernel=False, num_stages=stages,
                               blocks=None if (lo, hi) == (0, K // 64) else (lo, hi))(q, kv, kidx, extent, out, lse)
     dq_buf, dq = guarded((1, T, H, D), torch.bfloat16)
     dkv_buf, dkv = guarded((1, T_kv + 1, 1, D), torch.float32, torch.zeros(1, T_kv + 1, 1, D, device="cuda"))

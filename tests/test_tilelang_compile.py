@@ -41,22 +41,23 @@ def _requested_dyn_smem(kernel) -> int:
     return max(smem)
 
 
-@pytest.mark.parametrize("hg", [16, 32, 64, 128])
-def test_every_forward_launch_fits_in_shared_memory(hg):
+@pytest.mark.parametrize("hg,buckets_64", [(16, 1), (32, 1), (64, 1), (128, 1), (64, 8), (128, 4)])
+def test_every_forward_launch_fits_in_shared_memory(hg, buckets_64):
     """Each kernel of the backend's launch plan (row buckets included) asks for <= 227 KiB:
-    the bucketed 64-row tile with 64-slot blocks once asked for 230 KiB and failed at launch on
-    the H200, so it runs as one launch."""
+    the bucketed two-stage 64-row tile once asked for 230 KiB and failed at launch on the H200,
+    so 64-row tiles are bucketed only single-stage (``fwd_buckets_64``)."""
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, forward_launches, padded_heads_per_group
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
 
-    be = TileLangBackend()
+    be = TileLangBackend(fwd_buckets_64=buckets_64)
     hg_pad = padded_heads_per_group(hg, be.fwd_min_heads)
     block = be.fwd_block_16 if hg_pad == 16 else 64
     n_blocks = 2048 // block
-    plan = forward_launches(hg_pad, n_blocks, be.fwd_buckets)
-    assert (len(plan) > 1) == (hg_pad < 64)  # where tail skipping fits
-    for lo, hi in plan:
-        k = sparse_mla_fwd_kernel(hg_pad, 512, 64, 2048, 1, 256**-0.5, target=SM90, block_i=block,
+    plan = forward_launches(hg_pad, n_blocks, be.fwd_buckets, be.fwd_buckets_64)
+    assert (len(plan) > 1) == (hg_pad < 64 or buckets_64 > 1)  # where tail skipping fits
+    assert all(stages == (1 if hg_pad >= 64 and buckets_64 > 1 else 2) for _, _, stages in plan)
+    for lo, hi, stages in plan:
+        k = sparse_mla_fwd_kernel(hg_pad, 512, 64, 2048, 1, 256**-0.5, target=SM90, block_i=block, num_stages=stages,
                                   select_in_kernel=be.fwd_select_in_kernel,
                                   blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi))
         assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM, (hg, lo, hi, _requested_dyn_smem(k))

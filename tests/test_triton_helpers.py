@@ -158,12 +158,23 @@ def test_forward_buckets_cover_every_row_once():
     assert forward_buckets(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
 
 
+def test_forward_launch_plans():
+    """16/32-row tiles: two-stage buckets; 64-row tiles: one two-stage launch unless single-stage
+    buckets are asked for; short topk: one launch."""
+    from glm5_dsa_plugin.ops.tilelang_backend import forward_launches
+
+    assert forward_launches(16, 32, 4) == [(0, 8, 2), (8, 16, 2), (16, 24, 2), (24, 32, 2)]
+    assert forward_launches(64, 32, 4) == [(0, 32, 2)]
+    assert forward_launches(128, 32, 4, buckets_64=2) == [(0, 16, 1), (16, 32, 1)]
+    assert forward_launches(32, 4, 4, buckets_64=8) == [(0, 4, 2)]
+
+
 
 
 def test_deterministic_variant_keeps_every_setting():
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
-    be = TileLangBackend(fwd_min_heads=32, fwd_buckets=2, fwd_block_16=32, fwd_select_in_kernel=True,
+    be = TileLangBackend(fwd_min_heads=32, fwd_buckets=2, fwd_buckets_64=8, fwd_block_16=32, fwd_select_in_kernel=True,
                          slot_buffer_bytes=1 << 20)
     det = be.deterministic_variant()
     assert det.deterministic and not be.deterministic

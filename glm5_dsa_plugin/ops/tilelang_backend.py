@@ -98,20 +98,28 @@ def forward_buckets(n_blocks: int, buckets: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
-def forward_launches(hg_pad: int, n_blocks: int, buckets: int) -> list[tuple[int, int]]:
-    """The forward's launches (lo, hi] for ``hg_pad`` heads per group and ``n_blocks`` slot blocks.
+def forward_launches(hg_pad: int, n_blocks: int, buckets: int, buckets_64: int = 1) -> list[tuple[int, int, int]]:
+    """The forward's launches (lo, hi, pipeline stages) for ``hg_pad`` heads per group and
+    ``n_blocks`` slot blocks; one launch for short topk (< 8 blocks: little tail to skip, fewer
+    kernels to compile).
 
-    One launch for short topk (< 8 blocks: little tail to skip, fewer kernels to compile) and for
-    64-row head tiles: TileLang 0.1.15 stops reusing the reductions' shared workspaces once the
-    pipelined loop sits under the bucket's row test, which takes that tile to 230 KB, over
-    Hopper's 227 KB (the launch fails; tests/test_tilelang_compile.py checks every plan). With
-    32-slot blocks it fits (154 KB) but is slower at W2 H64 than one launch of 64-slot blocks
-    (4.71 vs 4.42 ms; benchmarks/results/2026-11-29_h200_v6a_variants.log), so it is not offered."""
+    16/32-row head tiles: ``buckets`` launches, two-stage pipelined. 64-row tiles: one two-stage
+    launch, or ``buckets_64`` single-stage launches. TileLang 0.1.15 stops reusing the
+    reductions' shared workspaces once the pipelined loop sits under the bucket's row test, which
+    takes the two-stage 64-row tile to 230 KB, over Hopper's 227 KB (the launch fails;
+    tests/test_tilelang_compile.py checks every plan); single-stage it is 156 KB. Single-stage
+    buckets are faster on ragged rows (W2 H64 kernel, 8 buckets: 3.60 vs 4.38 ms, bitwise equal
+    out) and slower on full rows (one single-stage launch: 4.88 ms), hence an option
+    (benchmarks/results/2026-11-29_h200_v6c_h64_stages_buckets.log)."""
     from .tilelang_kernels import head_block
 
-    if n_blocks < 8 or head_block(hg_pad) >= 64:
-        buckets = 1
-    return forward_buckets(n_blocks, buckets)
+    if n_blocks < 8:
+        return [(0, n_blocks, 2)]
+    if head_block(hg_pad) >= 64:
+        if buckets_64 > 1:
+            return [(lo, hi, 1) for lo, hi in forward_buckets(n_blocks, buckets_64)]
+        return [(0, n_blocks, 2)]
+    return [(lo, hi, 2) for lo, hi in forward_buckets(n_blocks, buckets)]
 
 
 class TileLangBackend:
@@ -121,7 +129,7 @@ class TileLangBackend:
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4):
+                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int = 1):
         if fwd_block_16 not in (32, 64):
             raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
         self.safe = safe
@@ -131,6 +139,8 @@ class TileLangBackend:
         self.fwd_select_in_kernel = fwd_select_in_kernel
         # forward launches per call, by slot blocks needed (skips pure-padding tails; 1 = no skipping)
         self.fwd_buckets = fwd_buckets
+        # the same for 64-row head tiles, single-stage (see forward_launches; 1 = one two-stage launch)
+        self.fwd_buckets_64 = fwd_buckets_64
         # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
         # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
         self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
@@ -216,13 +226,14 @@ class TileLangBackend:
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
         n_blocks = idx.shape[-1] // block
-        for lo, hi in forward_launches(hg_pad, n_blocks, self.fwd_buckets if T > 0 else 1):
+        plan = forward_launches(hg_pad, n_blocks, self.fwd_buckets, self.fwd_buckets_64) if T > 0 else []
+        for lo, hi, stages in plan:
             kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
-                                           block_i=block, threads=self.fwd_threads_16 if small else 256,
+                                           block_i=block, num_stages=stages,
+                                           threads=self.fwd_threads_16 if small else 256,
                                            select_in_kernel=self.fwd_select_in_kernel,
                                            blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi))
-            if T > 0:
-                kernel(qp, kv_k, idx, extent, out, lse)
+            kernel(qp, kv_k, idx, extent, out, lse)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
 
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
