@@ -5,9 +5,9 @@ Policy (per process): env ``GLM5_DSA_NONFINITE=fallback|raise|off`` or :func:`co
 Detection: after each fast-backend call, one device-side finiteness pass over the outputs
 (out/lse forward, dq/dkv backward; Triton on CUDA) into an int32 flag buffer and a single host
 read of it. A backend with ``reports_nonfinite`` sets the backward's flag itself, fused into a
-pass it makes anyway (TileLang: the dKV conversion). In the forward the same read also carries the deferred index-validation flag (set by
-a backend memory-safe for any index, see ``backends.Backend``), so a validated, guarded call
-syncs once per direction.
+pass it makes anyway (TileLang: the dKV conversion). In the forward the same read also carries
+the deferred index-validation flag (set by a backend memory-safe for any index, see
+``backends.Backend``), so a validated, guarded call syncs once per direction.
 
 Repair method (``fallback``):
   * forward: the query rows (b, t) whose out or lse holds a nonfinite value are recomputed

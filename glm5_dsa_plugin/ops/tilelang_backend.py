@@ -126,6 +126,8 @@ class TileLangBackend:
     """Fixed TileLang kernels; bf16, CUDA sm_90."""
 
     name = "tilelang"
+    # the backward sets the guard's nonfinite flag itself, in the pass that converts dKV
+    reports_nonfinite = True
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
@@ -238,9 +240,6 @@ class TileLangBackend:
 
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
         return self.backward_saved(q, self.save(kv, indices), out, lse, grad_out, sm_scale, d_v)
-
-    # the backward sets the guard's nonfinite flag itself, in the pass that converts dKV
-    reports_nonfinite = True
 
     def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v, nonfinite_flag=None):
         """-> (dq, dkv) from :meth:`save`'s tensors; ``nonfinite_flag`` (int32 [1], device) becomes
