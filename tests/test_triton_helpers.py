@@ -90,6 +90,15 @@ for B, n_kv, G, D in [(2, 50, 1, 576), (3, 7, 2, 40), (1, 3000, 1, 64)]:
     assert torch.equal(out, w_out) and torch.equal(ext, w_ext)
     assert kv_k.shape == (B, n_kv + 1, G, D) and torch.equal(kv_k[:, :n_kv], kv)
     assert torch.equal(kv_k[:, n_kv], torch.zeros_like(kv_k[:, n_kv])), (B, n_kv)
+# the TileLang backend's saved inputs give the caller's (kv, indices) back for the guard's repair
+from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+be = TileLangBackend()
+kv = torch.randn(2, 30, 1, 576, generator=g).bfloat16()
+idx = torch.randint(-1, 30, (2, 7, 1, 100), generator=g, dtype=torch.int32)
+saved = be.save(kv, idx)
+assert saved[1].shape[-1] == 128  # topk padded to a multiple of 64
+kv2, idx2 = be.originals(saved, 100)
+assert torch.equal(kv2, kv) and torch.equal(idx2, idx)
 print("OK")
 """
 
