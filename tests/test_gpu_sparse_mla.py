@@ -234,3 +234,26 @@ def test_deterministic_backward_is_bitwise_reproducible_and_exact(H, G):
     assert rel_l2(runs[0][0], r_dq[0]) < 3e-3 and rel_l2(runs[0][1], r_dkv[0]) < 3e-3
     backends.unregister_backend("tilelang_small_chunks")
 
+
+
+def test_forward_plan_auto_for_64_row_tiles():
+    """``fwd_buckets_64="auto"``: the first call runs one two-stage launch and counts its rows'
+    blocks; once those counts are in (read without a sync) a call of the same shape on ragged
+    causal rows runs the single-stage buckets. Both outputs are bitwise equal (the plan never
+    changes a result) and equal to the reference."""
+    from glm5_dsa_plugin.ops.tilelang_backend import AUTO_BUCKETS_64, TileLangBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    T, topk, H = 1024, 1024, 64
+    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, T, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    idx = w2_indices(T, topk, gen)[None]
+    be = TileLangBackend(fwd_buckets_64="auto")
+    o1, l1 = be.forward(q, kv, idx, SCALE, 512)
+    torch.cuda.synchronize()
+    (last,) = be._block_counts.values()
+    assert last.choose(topk // 64) == AUTO_BUCKETS_64
+    o2, l2 = be.forward(q, kv, idx, SCALE, 512)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    r_out, r_lse = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
+    assert rel_l2(o2, r_out) <= 3e-3

@@ -90,6 +90,15 @@ for B, n_kv, G, D in [(2, 50, 1, 576), (3, 7, 2, 40), (1, 3000, 1, 64)]:
     assert torch.equal(out, w_out) and torch.equal(ext, w_ext)
     assert kv_k.shape == (B, n_kv + 1, G, D) and torch.equal(kv_k[:, :n_kv], kv)
     assert torch.equal(kv_k[:, n_kv], torch.zeros_like(kv_k[:, n_kv])), (B, n_kv)
+# rows counted by the slot block their valid slots end in
+for block in (32, 64):
+    idx = torch.randint(-1, 30, (2, 9, 1, 256), generator=g, dtype=torch.int32)
+    idx[0, 0] = -1  # no valid slot: count 0
+    idx[1, 3, 0, 100:] = -1
+    counts = torch.zeros(256 // block + 1, dtype=torch.int32)
+    _, ext = prepare_indices(idx, 30, 256, block_counts=counts, block=block)
+    want = torch.bincount(((ext + block - 1) // block).flatten().long(), minlength=256 // block + 1)
+    assert torch.equal(counts, want.to(torch.int32)) and counts[0] >= 1, (counts, want)
 # the TileLang backend's saved inputs give the caller's (kv, indices) back for the guard's repair
 from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 be = TileLangBackend()
@@ -165,6 +174,25 @@ def test_forward_buckets_cover_every_row_once():
             assert all(lo < hi for lo, hi in parts)
             assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous: every count in one bucket
     assert forward_buckets(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+
+
+def test_cheaper_buckets_64_follows_the_rows():
+    """Ragged causal rows (W2: half the rows short) pick the single-stage buckets, full rows (W1)
+    keep one two-stage launch, mostly empty rows pick the buckets."""
+    import pytest
+
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, cheaper_buckets_64
+
+    n = 32
+    w2 = [0] * (n + 1)
+    for t in range(4096):
+        w2[-(-min(t + 1, 2048) // 64)] += 1
+    assert cheaper_buckets_64(w2, n, 8) == 8
+    assert cheaper_buckets_64([0] * n + [4096], n, 8) == 1
+    assert cheaper_buckets_64([4000] + [0] * (n - 1) + [96], n, 8) == 8
+    assert cheaper_buckets_64([0] * (n + 1), n, 8) == 1  # no rows: nothing to gain
+    with pytest.raises(ValueError, match="fwd_buckets_64"):
+        TileLangBackend(fwd_buckets_64="sometimes")
 
 
 def test_forward_launch_plans():

@@ -109,7 +109,8 @@ def forward_launches(hg_pad: int, n_blocks: int, buckets: int, buckets_64: int =
     takes the two-stage 64-row tile to 230 KB, over Hopper's 227 KB (the launch fails;
     tests/test_tilelang_compile.py checks every plan); single-stage it is 156 KB. Single-stage
     buckets are faster on ragged rows (W2 H64 kernel, 8 buckets: 3.60 vs 4.38 ms, bitwise equal
-    out) and slower on full rows (one single-stage launch: 4.88 ms), hence an option
+    out) and slower on full rows (one single-stage launch: 4.88 ms), hence an option, or a choice
+    per call from row counts (``fwd_buckets_64="auto"``, ``cheaper_buckets_64``)
     (benchmarks/results/2026-11-29_h200_v6c_h64_stages_buckets.log)."""
     from .tilelang_kernels import head_block
 
@@ -122,6 +123,46 @@ def forward_launches(hg_pad: int, n_blocks: int, buckets: int, buckets_64: int =
     return [(lo, hi, 2) for lo, hi in forward_buckets(n_blocks, buckets)]
 
 
+# cost of one computed slot block of a 64-row tile, single-stage vs two-stage (one launch each,
+# W2 H64: 4.88 vs 4.38 ms, benchmarks/results/2026-11-29_h200_v6c_h64_stages_buckets.log)
+SINGLE_STAGE_COST = 1.11
+AUTO_BUCKETS_64 = 8  # buckets of the single-stage plan that ``fwd_buckets_64="auto"`` weighs
+
+
+def cheaper_buckets_64(block_counts: list[int], n_blocks: int, buckets: int) -> int:
+    """``buckets_64`` for a 64-row tile given how many rows need c slot blocks (``block_counts[c]``,
+    c = 0..n_blocks): ``buckets`` single-stage launches when their cost-weighted computed blocks
+    (each row runs its bucket's ``hi``) are fewer than one two-stage launch's (every row runs
+    all blocks), else 1."""
+    edges = forward_buckets(n_blocks, buckets)
+    hi = [next(h for _, h in edges if c <= h) for c in range(n_blocks + 1)]
+    single = SINGLE_STAGE_COST * sum(n * h for n, h in zip(block_counts, hi))
+    return buckets if single < sum(block_counts) * n_blocks else 1
+
+
+class _BlockCountsOfLastCall:
+    """The rows' block counts of a previous call of one shape, copied to pinned host memory
+    behind the kernels and read only once that copy is done (``Event.query``): choosing the
+    launch plan never waits on the GPU. The plan does not change any result (skipped blocks are
+    pure padding, which adds exact zeros), so stale counts only cost speed."""
+
+    def __init__(self, n: int):
+        self.host = torch.zeros(n, dtype=torch.int32, pin_memory=True)
+        self.event = torch.cuda.Event()
+        self.pending, self.buckets_64 = False, 1  # two-stage until counts arrive
+
+    def choose(self, n_blocks: int) -> int:
+        if self.pending and self.event.query():
+            self.buckets_64 = cheaper_buckets_64(self.host.tolist(), n_blocks, AUTO_BUCKETS_64)
+            self.pending = False
+        return self.buckets_64
+
+    def record(self, counts: torch.Tensor) -> None:
+        self.host.copy_(counts, non_blocking=True)
+        self.event.record()
+        self.pending = True
+
+
 class TileLangBackend:
     """Fixed TileLang kernels; bf16, CUDA sm_90."""
 
@@ -131,9 +172,11 @@ class TileLangBackend:
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int = 1):
+                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = 1):
         if fwd_block_16 not in (32, 64):
             raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
+        if fwd_buckets_64 != "auto" and not (isinstance(fwd_buckets_64, int) and fwd_buckets_64 >= 1):
+            raise ValueError(f"fwd_buckets_64: an int >= 1 or 'auto', got {fwd_buckets_64!r}")
         self.safe = safe
         # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
         # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
@@ -141,8 +184,10 @@ class TileLangBackend:
         self.fwd_select_in_kernel = fwd_select_in_kernel
         # forward launches per call, by slot blocks needed (skips pure-padding tails; 1 = no skipping)
         self.fwd_buckets = fwd_buckets
-        # the same for 64-row head tiles, single-stage (see forward_launches; 1 = one two-stage launch)
+        # the same for 64-row head tiles, single-stage (see forward_launches; 1 = one two-stage
+        # launch; "auto": per call from the rows' block counts of the last call of that shape)
         self.fwd_buckets_64 = fwd_buckets_64
+        self._block_counts: dict[tuple, _BlockCountsOfLastCall] = {}
         # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
         # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
         self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
@@ -178,17 +223,20 @@ class TileLangBackend:
             raise SparseMLAInputError(f"sparse_mla backend 'tilelang' needs CUDA tensors, got {q.device}")
         check_split(d_v, q.shape[-1] - d_v)
 
-    def save(self, kv, indices, index_flag=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def save(self, kv, indices, index_flag=None, block_counts=None,
+             block=64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prepared inputs both kernels read, built once per call (forward) and kept for the
         backward in place of (kv, indices): (kv with the zero sentinel row [B, T_kv + 1, G, Dqk],
         kernel indices [B, T, G, K_pad] in [0, T_kv], extent [B, T, G]); K_pad is topk rounded up
-        to ``BLOCK_TOPK``. ``index_flag`` (int32 [1]) is set when an index breaks the rule. With
-        ``safe=False`` (fix-cost measurement only): raw kv, -1 padding, full extent."""
+        to ``BLOCK_TOPK``. ``index_flag`` (int32 [1]) is set when an index breaks the rule;
+        ``block_counts`` (see ``prepare_indices``) counts rows by their blocks of ``block`` slots.
+        With ``safe=False`` (fix-cost measurement only): raw kv, -1 padding, full extent."""
         from .tilelang_kernels import BLOCK_TOPK
 
         k_pad = -(-indices.shape[-1] // BLOCK_TOPK) * BLOCK_TOPK
         if self.safe:
-            idx, extent, kv_k = prepare_indices(indices, kv.shape[1], k_pad, index_flag, kv=kv)
+            idx, extent, kv_k = prepare_indices(indices, kv.shape[1], k_pad, index_flag, kv=kv,
+                                                block_counts=block_counts, block=block)
             return kv_k, idx, extent
         idx = _pad_topk(indices, BLOCK_TOPK)
         return kv.contiguous(), idx, torch.full(idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
@@ -218,17 +266,29 @@ class TileLangBackend:
         from .tilelang_kernels import BLOCK_TOPK, sparse_mla_fwd_kernel
 
         self._check(q, kv, d_v)
-        saved = self.save(kv, indices, index_flag)
-        kv_k, idx, extent = saved
         G, hg, hg_pad = self._geometry(q, kv, self.fwd_min_heads)
-        qp = _pad_heads(q, G, hg, hg_pad)
         small = hg_pad == 16
         block = self.fwd_block_16 if small else BLOCK_TOPK
+        n_blocks = -(-indices.shape[-1] // BLOCK_TOPK) * BLOCK_TOPK // block
+        T = q.shape[1]
+        counts = last = None
+        buckets_64 = self.fwd_buckets_64
+        if buckets_64 == "auto":
+            buckets_64 = 1
+            if hg_pad >= 64 and n_blocks >= 8 and T > 0 and self.safe:
+                key = (tuple(indices.shape), n_blocks)
+                last = self._block_counts.get(key)
+                if last is None:
+                    last = self._block_counts[key] = _BlockCountsOfLastCall(n_blocks + 1)
+                buckets_64 = last.choose(n_blocks)
+                counts = torch.zeros(n_blocks + 1, dtype=torch.int32, device=q.device)
+        saved = self.save(kv, indices, index_flag, block_counts=counts, block=block)
+        kv_k, idx, extent = saved
+        qp = _pad_heads(q, G, hg, hg_pad)
         B, T, Hp, Dqk = qp.shape
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
-        n_blocks = idx.shape[-1] // block
-        plan = forward_launches(hg_pad, n_blocks, self.fwd_buckets, self.fwd_buckets_64) if T > 0 else []
+        plan = forward_launches(hg_pad, n_blocks, self.fwd_buckets, buckets_64) if T > 0 else []
         for lo, hi, stages in plan:
             kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
                                            block_i=block, num_stages=stages,
@@ -236,6 +296,8 @@ class TileLangBackend:
                                            select_in_kernel=self.fwd_select_in_kernel,
                                            blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi))
             kernel(qp, kv_k, idx, extent, out, lse)
+        if last is not None:
+            last.record(counts)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
 
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):

@@ -102,9 +102,11 @@ def finish_backward(dkv32: torch.Tensor, n_rows: int, dtype: torch.dtype, dq: to
 
 @triton.jit
 def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, n_rows, KV, KVK, per_batch_in, per_batch_out,
-                            CHECK: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
-    """Programs [0, n_rows): one index row each. The rest (when KV is given): copy kv batch by
-    batch into KVK, whose extra last row per batch reads as zeros (the sentinel)."""
+                            COUNTS, block, CHECK: tl.constexpr, COUNT: tl.constexpr, BK: tl.constexpr,
+                            BC: tl.constexpr):
+    """Programs [0, n_rows): one index row each (with COUNT: COUNTS[ceil(extent / block)] += 1).
+    The rest (when KV is given): copy kv batch by batch into KVK, whose extra last row per batch
+    reads as zeros (the sentinel)."""
     row = tl.program_id(0).to(tl.int64)
     if row < n_rows:
         ext = tl.zeros([BK], dtype=tl.int32)
@@ -118,7 +120,10 @@ def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, n_rows, KV, KV
             tl.store(OUT + row * K_PAD + cols, tl.where(ok, x, n_kv), mask=cols < K_PAD)
             ext = tl.maximum(ext, tl.where(ok, cols + 1, 0))
             c0 += BK
-        tl.store(EXT + row, tl.max(ext, axis=0))
+        extent = tl.max(ext, axis=0)
+        tl.store(EXT + row, extent)
+        if COUNT:
+            tl.atomic_add(COUNTS + (extent + block - 1) // block, 1)
         if CHECK:
             if tl.max(bad, axis=0) > 0:
                 tl.atomic_max(FLAGS, 1)
@@ -132,7 +137,7 @@ def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, n_rows, KV, KV
 
 
 def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.Tensor | None = None,
-                    kv: torch.Tensor | None = None):
+                    kv: torch.Tensor | None = None, block_counts: torch.Tensor | None = None, block: int = 64):
     """indices [..., K] int32 -> (kernel indices [..., k_pad] int32 in [0, n_kv], extent [...] int32)
     and, when ``kv`` [B, n_kv, ...] is given, also kv with one zero row appended per batch
     ([B, n_kv + 1, ...], the sentinel the rewritten slots read) as a third result.
@@ -140,6 +145,8 @@ def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.T
     Kernel indices: slot j < K keeps its index if it lies in [0, n_kv), else becomes ``n_kv``;
     slots K..k_pad-1 are ``n_kv``. Extent: 1 + the last position holding a valid index (0: none).
     ``flags`` (int32, device): ``flags[0]`` is set to 1 when some entry lies outside {-1} U [0, n_kv).
+    ``block_counts`` (int32 [k_pad // block + 1], device, zero): entry c counts the rows whose
+    valid slots end in block c (``ceil(extent / block)``; 0 for rows without any).
     One launch, no host sync."""
     if indices.dtype != torch.int32:
         raise ValueError(f"prepare_indices: int32 indices expected, got {indices.dtype}")
@@ -163,11 +170,15 @@ def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.T
     else:
         kv = kv_k = ext
         per_in = per_out = n_copy = 0
+    if block_counts is not None and block_counts.numel() != k_pad // block + 1:
+        raise ValueError(f"prepare_indices: block_counts needs {k_pad // block + 1} entries")
     if n_rows + n_copy:
         BK = min(1024, triton.next_power_of_2(k_pad))
         _prepare_indices_kernel[(n_rows + n_copy,)](idx, out, ext, ext if flags is None else flags, K, k_pad, n_kv,
                                                     n_rows, kv, kv_k, per_in, per_out,
-                                                    CHECK=flags is not None, BK=BK, BC=BC)
+                                                    ext if block_counts is None else block_counts, block,
+                                                    CHECK=flags is not None, COUNT=block_counts is not None,
+                                                    BK=BK, BC=BC)
     return (out, ext, kv_k) if with_kv else (out, ext)
 
 
