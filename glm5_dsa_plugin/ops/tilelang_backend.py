@@ -275,7 +275,8 @@ class TileLangBackend:
         buckets_64 = self.fwd_buckets_64
         if buckets_64 == "auto":
             buckets_64 = 1
-            if hg_pad >= 64 and n_blocks >= 8 and T > 0 and self.safe:
+            # (not under CUDA graph capture: no event queries or host copies there)
+            if hg_pad >= 64 and n_blocks >= 8 and T > 0 and self.safe and not torch.cuda.is_current_stream_capturing():
                 key = (tuple(indices.shape), n_blocks)
                 last = self._block_counts.get(key)
                 if last is None:
