@@ -45,6 +45,24 @@ def make_impls(has_mcore):
         "ours": lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang"),
         "ours_novalidate": lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang", validate=False),
     }
+    # 64-row forward tiles with the plan chosen from row counts (an option until proven); its
+    # single-stage bucket kernels are built up front, in parallel
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from glm5_dsa_plugin.ops.backends import register_backend
+        from glm5_dsa_plugin.ops.tilelang_backend import AUTO_BUCKETS_64, TileLangBackend, forward_launches
+        from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
+
+        register_backend("tilelang_auto", lambda: TileLangBackend(fwd_buckets_64="auto"), replace=True)
+        with ThreadPoolExecutor(8) as ex:
+            list(ex.map(lambda p: sparse_mla_fwd_kernel(64, D_V, 64, 2048, 1, float(SCALE), True, block_i=64,
+                                                        num_stages=p[2], threads=256, select_in_kernel=False,
+                                                        blocks=p[:2]),
+                        forward_launches(64, 32, 4, AUTO_BUCKETS_64)))
+        impls["ours_auto64"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_auto")
+    except Exception as exc:  # noqa: BLE001 - an option failing to build is a result, not a crash
+        print(f"ours_auto64 unavailable: {type(exc).__name__}: {exc}")
     if has_mcore:
         from megatron.core.transformer.experimental_attention_variant.ops.sparse_mla import SparseMLA
 

@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-.}
 timeout 300 python3 -m pytest -m gpu tests -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" \
   | grep -E "^E  .*(Error|assert)|^FAILED|passed|failed" | tail -12
-timeout 250 python3 scripts/bench_sparse_mla.py --reference W1:64 --host-profile --out "$OUT" 2>&1 | grep -v INFO | tail -40
+timeout 300 python3 scripts/bench_sparse_mla.py --reference W1:64 --host-profile --out "$OUT" 2>&1 | grep -v INFO | tail -40
 if [ "${LAUNCHERS:-0}" = 1 ]; then
   timeout 120 python3 scripts/gpu_launcher_proof.py --out "$OUT" 2>&1 | grep -E "^(lora|ppo|mtp) "
 elif [ "${VARIANTS:-0}" = 1 ]; then
