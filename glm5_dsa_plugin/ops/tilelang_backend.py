@@ -82,6 +82,13 @@ def _unpad_heads(x: torch.Tensor, groups: int, hg: int, hg_pad: int) -> torch.Te
     return x.view(B, T, groups, hg_pad, *rest)[:, :, :, :hg].reshape(B, T, groups * hg, *rest)
 
 
+def padded_topk(topk: int) -> int:
+    """topk as the kernels see it: rounded up to a multiple of ``BLOCK_TOPK`` (64)."""
+    from .tilelang_kernels import BLOCK_TOPK
+
+    return -(-topk // BLOCK_TOPK) * BLOCK_TOPK
+
+
 def _pad_topk(indices: torch.Tensor, block: int) -> torch.Tensor:
     """[..., K] -> [..., ceil(K / block) * block] with -1 slots appended (contiguous)."""
     k = indices.shape[-1]
@@ -233,7 +240,7 @@ class TileLangBackend:
         With ``safe=False`` (fix-cost measurement only): raw kv, -1 padding, full extent."""
         from .tilelang_kernels import BLOCK_TOPK
 
-        k_pad = -(-indices.shape[-1] // BLOCK_TOPK) * BLOCK_TOPK
+        k_pad = padded_topk(indices.shape[-1])
         if self.safe:
             idx, extent, kv_k = prepare_indices(indices, kv.shape[1], k_pad, index_flag, kv=kv,
                                                 block_counts=block_counts, block=block)
@@ -269,20 +276,8 @@ class TileLangBackend:
         G, hg, hg_pad = self._geometry(q, kv, self.fwd_min_heads)
         small = hg_pad == 16
         block = self.fwd_block_16 if small else BLOCK_TOPK
-        n_blocks = -(-indices.shape[-1] // BLOCK_TOPK) * BLOCK_TOPK // block
-        T = q.shape[1]
-        counts = last = None
-        buckets_64 = self.fwd_buckets_64
-        if buckets_64 == "auto":
-            buckets_64 = 1
-            # (not under CUDA graph capture: no event queries or host copies there)
-            if hg_pad >= 64 and n_blocks >= 8 and T > 0 and self.safe and not torch.cuda.is_current_stream_capturing():
-                key = (tuple(indices.shape), n_blocks)
-                last = self._block_counts.get(key)
-                if last is None:
-                    last = self._block_counts[key] = _BlockCountsOfLastCall(n_blocks + 1)
-                buckets_64 = last.choose(n_blocks)
-                counts = torch.zeros(n_blocks + 1, dtype=torch.int32, device=q.device)
+        n_blocks = padded_topk(indices.shape[-1]) // block
+        buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
         saved = self.save(kv, indices, index_flag, block_counts=counts, block=block)
         kv_k, idx, extent = saved
         qp = _pad_heads(q, G, hg, hg_pad)
@@ -300,6 +295,22 @@ class TileLangBackend:
         if last is not None:
             last.record(counts)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
+
+    def _plan_64(self, indices, hg_pad, n_blocks, device):
+        """-> (buckets_64 for this call, zeroed row-count buffer to fill or None, its
+        ``_BlockCountsOfLastCall`` or None). Counting runs only for ``fwd_buckets_64="auto"`` on
+        64-row tiles with topk >= 8 blocks and nonempty input, outside CUDA graph capture (no
+        event queries or host copies there)."""
+        if self.fwd_buckets_64 != "auto":
+            return self.fwd_buckets_64, None, None
+        if (hg_pad < 64 or n_blocks < 8 or indices.shape[1] == 0 or not self.safe
+                or torch.cuda.is_current_stream_capturing()):
+            return 1, None, None
+        key = (tuple(indices.shape), n_blocks)
+        last = self._block_counts.get(key)
+        if last is None:
+            last = self._block_counts[key] = _BlockCountsOfLastCall(n_blocks + 1)
+        return last.choose(n_blocks), torch.zeros(n_blocks + 1, dtype=torch.int32, device=device), last
 
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
         return self.backward_saved(q, self.save(kv, indices), out, lse, grad_out, sm_scale, d_v)

@@ -23,10 +23,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _has_nonfinite(x):
+    y = x.to(tl.float32)
+    return tl.max(((y - y) != 0).to(tl.int32), axis=0)  # y - y is NaN exactly for NaN and +-inf
+
+
+@triton.jit
 def _any_nonfinite(X, start, n, BLOCK: tl.constexpr):
     offs = start + tl.arange(0, BLOCK)
-    x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
-    return tl.max(((x - x) != 0).to(tl.int32), axis=0)  # x - x is NaN exactly for NaN and +-inf
+    return _has_nonfinite(tl.load(X + offs, mask=offs < n, other=0.0))
 
 
 @triton.jit
@@ -69,8 +74,7 @@ def _finish_backward_kernel(DKV32, DKV, per_batch_in, per_batch_out, n_conv, DQ,
         x = tl.load(DKV32 + b * per_batch_in + offs, mask=m, other=0.0).to(DKV.dtype.element_ty)
         tl.store(DKV + b * per_batch_out + offs, x, mask=m)
         if CHECK:
-            y = x.to(tl.float32)
-            bad = tl.max(((y - y) != 0).to(tl.int32), axis=0)
+            bad = _has_nonfinite(x)
     else:
         if CHECK:
             bad = _any_nonfinite(DQ, (pid - n_conv) * BLOCK, n_dq, BLOCK)
