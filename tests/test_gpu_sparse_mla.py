@@ -197,6 +197,57 @@ def test_guard_counts_calls_and_stays_quiet_on_good_output():
     assert st["calls_checked"] == 2 and st["events"] == 0
 
 
+@pytest.mark.parametrize("H", [16, 64])
+def test_device_side_backward_repair(tmp_path, H):
+    """Fallback on CUDA: a TileLang backend whose dq rows / dkv rows come back NaN is repaired on
+    the device (``row_repair``, no flag read in the backward): repaired rows equal the fp32
+    reference, every other row is bitwise what the backend returned, the counters and the dump
+    arrive when the flags are settled (``guard_stats``)."""
+    from glm5_dsa_plugin.ops import configure, guard_stats, reset_guard_stats
+    from glm5_dsa_plugin.ops.backends import register_backend
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    T, K = 512, 256
+    bad_q, bad_kv = [3, 100, 400], [5, 200]
+    returned = {}
+
+    class NaNRows(TileLangBackend):
+        name = "tilelang_nan_rows"
+        reports_nonfinite = False  # poisoned after the kernels: the guard scans
+
+        def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v, nonfinite_flag=None):
+            dq, dkv = super().backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v)
+            dq[:, bad_q, H // 2] = float("nan")
+            dkv[:, bad_kv, 0, -1] = float("nan")
+            returned.setdefault("dq", dq.clone())  # the first call (the dump recomputes)
+            returned.setdefault("dkv", dkv.clone())
+            return dq, dkv
+
+    register_backend(NaNRows.name, NaNRows, replace=True)
+    configure(policy="fallback", dump_dir=str(tmp_path), dump_every=1)
+    reset_guard_stats()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    idx = w2_indices(T, K, gen)
+    q = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(T, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="repaired"):
+        sparse_mla(q, kv, idx, SCALE, backend=NaNRows.name)[0].backward(g)
+        st = guard_stats()  # settles the deferred flags
+    assert st["events"] == 1 and st["rows_repaired"] == len(bad_q) and st["kv_rows_repaired"] == len(bad_kv), st
+    r_dq, r_dkv = ref.backward(q.detach().float()[None], kv.detach().float()[None], idx[None], g.float()[None],
+                               SCALE, 512)
+    rq = torch.zeros(T, dtype=torch.bool, device="cuda")
+    rq[bad_q] = True
+    rk = torch.zeros(T, dtype=torch.bool, device="cuda")
+    rk[bad_kv] = True
+    assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
+    assert rel_l2(q.grad[rq], r_dq[0][rq]) <= 3e-3 and rel_l2(kv.grad[rk], r_dkv[0][rk]) <= 3e-3
+    assert torch.equal(q.grad[~rq], returned["dq"][0][~rq]) and torch.equal(kv.grad[~rk], returned["dkv"][0][~rk])
+    dump = torch.load(st["dumps"][0], weights_only=False)
+    assert dump["bad_outputs_recomputed"] and torch.isnan(dump["bad_outputs"]["dq"]).any()
+
+
 def test_bad_index_raises_on_the_tilelang_path():
     """Validation is read after the (memory-safe) kernel here; the error is the same as elsewhere."""
     q = torch.randn(64, 16, 576, device="cuda", dtype=torch.bfloat16)

@@ -3,11 +3,17 @@
 Policy (per process): env ``GLM5_DSA_NONFINITE=fallback|raise|off`` or :func:`configure`.
 
 Detection: after each fast-backend call, one device-side finiteness pass over the outputs
-(out/lse forward, dq/dkv backward; Triton on CUDA) into an int32 flag buffer and a single host
-read of it. A backend with ``reports_nonfinite`` sets the backward's flag itself, fused into a
-pass it makes anyway (TileLang: the dKV conversion). In the forward the same read also carries
-the deferred index-validation flag (set by a backend memory-safe for any index, see
-``backends.Backend``), so a validated, guarded call syncs once per direction.
+(out/lse forward, dq/dkv backward; Triton on CUDA) into an int32 flag buffer. A backend with
+``reports_nonfinite`` sets the backward's flag itself, fused into a pass it makes anyway
+(TileLang: the dKV conversion). The forward reads its flag on the host once (the same read also
+carries the deferred index-validation flag of a backend memory-safe for any index, see
+``backends.Backend``). The backward under ``fallback`` on CUDA reads none: the repair runs on
+the device behind the backward (``row_repair``: three launches that only read the flag on the
+happy path) and the flags travel to pinned host memory behind it; they are settled (counters,
+warning, dump, an error when even the repair is nonfinite) at the next guarded call once they
+have arrived, or by :func:`stats`. At most ``MAX_PENDING`` calls wait unsettled (their tensors
+stay referenced until then); one more waits for the oldest. ``raise``, CPU tensors and backends
+without CUDA read the flag at once, as the forward does.
 
 Repair method (``fallback``):
   * forward: the query rows (b, t) whose out or lse holds a nonfinite value are recomputed
@@ -17,7 +23,12 @@ Repair method (``fallback``):
     the reference contributions of *every* query row that selected it (found from ``indices``),
     so the repaired row is the exact reference value, not a patch on a poisoned sum.
   Good rows of dq/dkv are untouched. If a repaired value is still nonfinite the inputs
-  themselves are bad: the guard raises ``FloatingPointError`` with the dump path.
+  themselves are bad: the guard raises ``FloatingPointError`` with the dump path (for a
+  device-side backward repair, when its flags are settled: at a later call or ``stats()``).
+  On CUDA the backward repair is the same method computed by ``row_repair``'s Triton kernels
+  (fp32, IEEE dot products) instead of ``reference.backward``; a dump of such an event holds
+  bad outputs recomputed at settling (the call's own were repaired in place), flagged
+  ``bad_outputs_recomputed``.
 
 Dumps: on the first event and every ``dump_every``-th, one ``torch.save`` file in
 ``GLM5_DSA_DUMP_DIR`` (default ``./glm5_dsa_dumps``) with the call's inputs, grad_out, the bad
@@ -85,12 +96,15 @@ def policy() -> str:
 
 
 def stats() -> dict:
-    """Counters for training logs: calls_checked, events, rows_repaired, kv_rows_repaired, dumps."""
+    """Counters for training logs: calls_checked, events, rows_repaired, kv_rows_repaired, dumps.
+    Settles every pending device-side repair first (waits for their flags)."""
+    _pending.settle(wait_all=True)
     return asdict(_stats)
 
 
 def reset_stats() -> None:
     global _stats
+    _pending.settle(wait_all=True)
     _stats = GuardStats()
     _cfg.warned = False
 
@@ -115,21 +129,24 @@ def environment_record() -> dict:
     return rec
 
 
-def _dump(kind: str, backend_name: str, inputs: dict, bad: dict) -> str | None:
+def _dump(kind: str, backend_name: str, inputs: dict, bad: dict | None, extra: dict | None = None) -> str | None:
+    """``bad`` may be a callable returning the bad outputs (computed only when a dump is due)."""
     if (_stats.events - 1) % _cfg.dump_every != 0:
         return None
+    if callable(bad):
+        bad = bad()
     os.makedirs(_cfg.dump_dir, exist_ok=True)
     path = os.path.join(_cfg.dump_dir, f"sparse_mla_{kind}_pid{os.getpid()}_event{_stats.events}.pt")
     cpu = lambda d: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}  # noqa: E731
     torch.save({"kind": kind, "backend": backend_name, "inputs": cpu(inputs), "bad_outputs": cpu(bad),
-                "env": environment_record()}, path)
+                "env": environment_record(), **(extra or {})}, path)
     _stats.dumps.append(path)
     return path
 
 
-def _event(kind: str, backend, inputs: dict, bad: dict, n_rows: int) -> str | None:
+def _event(kind: str, backend, inputs: dict, bad, n_rows: int, extra: dict | None = None) -> str | None:
     _stats.events += 1
-    path = _dump(kind, backend.name, inputs, bad)
+    path = _dump(kind, backend.name, inputs, bad, extra)
     if _cfg.policy == "raise":
         raise FloatingPointError(
             f"sparse_mla {kind} ({backend.name}) produced nonfinite values in {n_rows} row(s); "
@@ -175,8 +192,11 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+FLAG_SLOTS = 8  # [index rule violated, some output nonfinite, row_repair's slots 2..4, spare]
+
+
 class _FlagPool:
-    """Zeroed int32 [2] flag buffers ([index rule violated, some output nonfinite]), each used
+    """Zeroed int32 [FLAG_SLOTS] flag buffers, each used
     once, cut from a zeroed block of ``SLOTS`` per (device, stream); a new block (one fill) when
     it runs out. One allocation + fill per call was a visible part of the host time that a
     guard sync exposes. Per stream, so the block's fill is ordered before every kernel that
@@ -191,7 +211,7 @@ class _FlagPool:
         key = (device, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (device,)
         free = self._free.get(key)
         if not free:
-            block = torch.zeros(self.SLOTS, 2, dtype=torch.int32, device=device)
+            block = torch.zeros(self.SLOTS, FLAG_SLOTS, dtype=torch.int32, device=device)
             free = self._free[key] = list(reversed(block.unbind(0)))
         return free.pop()
 
@@ -200,7 +220,7 @@ _flag_pool = _FlagPool()
 
 
 def _new_flags(device: torch.device) -> torch.Tensor:
-    """int32 [2], zero: [index rule violated, some output nonfinite], read with one host copy."""
+    """int32 [FLAG_SLOTS], zero: [index rule violated, some output nonfinite, ...], read with one host copy."""
     return _flag_pool.take(device)
 
 
@@ -236,13 +256,15 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
     index-rule flag during the call and it is read in the same host read as the finiteness flag;
     a violation raises the usual SparseMLAInputError (naming the first bad entry) instead of returning."""
     check = _cfg.policy != "off" and backend.name != "reference"
+    _pending.settle()
     flags = _new_flags(q.device) if (check or defer_index_check) else None
     out, lse, saved = _forward(backend, q, kv, indices, sm_scale, d_v, flags[0:1] if defer_index_check else None)
     if flags is None:
         return out, lse, saved
     if check:
         _flag_nonfinite(flags, 1, out, lse)
-    bad_index, nonfinite = _read(flags)  # the one host read
+    bad_index, nonfinite = _read(flags)[:2]  # the one host read
+    _pending.settle()
     if bad_index:
         check_indices(indices, kv.shape[1])
         raise SparseMLAInputError("sparse_mla: indices hold an entry outside {-1} U [0, T_kv)")
@@ -286,9 +308,19 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
     """Backward from the forward's ``saved`` tensors (``topk``: the caller's indices width)."""
     if _cfg.policy == "off" or backend.name == "reference":
         return _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, None)
+    _pending.settle()
     flags = _new_flags(q.device)
     dq, dkv = _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, flags)
     _stats.calls_checked += 1
+    if _cfg.policy == "fallback" and q.is_cuda and not _capturing(q.device):
+        from .row_repair import repair_backward_rows
+
+        dq, dkv = dq.contiguous(), dkv.contiguous()
+        kv_v, idx_v = (backend.padded_views(saved, topk) if hasattr(backend, "padded_views")
+                       else originals(backend, saved, topk))
+        repair_backward_rows(q, kv_v, idx_v, grad_out, sm_scale, d_v, dq, dkv, flags)
+        _pending.push(flags, (backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v))
+        return dq, dkv
     if not _read(flags)[1]:  # the one host read
         return dq, dkv
     kv, indices = originals(backend, saved, topk)
@@ -316,3 +348,61 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
     _stats.rows_repaired += int(bad_q.sum())
     _stats.kv_rows_repaired += int(bad_kv.sum())
     return dq, dkv
+
+
+class _PendingRepairs:
+    """Flags of device-repaired backward calls on their way to pinned host memory, oldest first.
+    ``settle`` handles those whose copy is done (``Event.query``, never a wait unless asked, or
+    unless more than ``MAX_PENDING`` are queued: then it waits for the oldest, which the GPU
+    has long been working past)."""
+
+    MAX_PENDING = 2
+
+    def __init__(self):
+        self._queue: list[tuple] = []
+        self._spare: list[tuple] = []  # (pinned int32 [FLAG_SLOTS], event) to reuse
+
+    def push(self, flags: torch.Tensor, call: tuple) -> None:
+        host, event = self._spare.pop() if self._spare else (
+            torch.empty(FLAG_SLOTS, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+        host.copy_(flags, non_blocking=True)
+        event.record()
+        self._queue.append((host, event, call))
+        if len(self._queue) > self.MAX_PENDING:
+            self._queue[0][1].synchronize()
+        self.settle()
+
+    def settle(self, wait_all: bool = False) -> None:
+        while self._queue:
+            host, event, call = self._queue[0]
+            if wait_all:
+                event.synchronize()
+            elif not event.query():
+                return
+            self._queue.pop(0)
+            values = host.tolist()
+            self._spare.append((host, event))
+            if values[1]:
+                _settle_backward_event(values, call)
+
+
+_pending = _PendingRepairs()
+
+
+def _settle_backward_event(values: list[int], call: tuple) -> None:
+    """Count, warn, dump (and raise if even the repair was nonfinite) for a device-repaired backward."""
+    backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v = call
+    _stats.rows_repaired += values[3]
+    _stats.kv_rows_repaired += values[4]
+    kv, indices = originals(backend, saved, topk)
+
+    def recompute_bad():
+        dq, dkv = _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, None)
+        return dict(dq=dq, dkv=dkv)
+
+    path = _event("backward", backend, dict(q=q, kv=kv, indices=indices, grad_out=grad_out, sm_scale=sm_scale, d_v=d_v),
+                  recompute_bad, values[3] + values[4], extra={"bad_outputs_recomputed": True})
+    if values[2]:
+        raise FloatingPointError(
+            f"sparse_mla backward is nonfinite even in the reference repair: inputs are bad (dump: {path}); "
+            "raised when the device-side repair's flags were settled, after the call itself returned")

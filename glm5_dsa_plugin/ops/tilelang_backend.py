@@ -179,7 +179,7 @@ class TileLangBackend:
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = 1):
+                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = "auto"):
         if fwd_block_16 not in (32, 64):
             raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
         if fwd_buckets_64 != "auto" and not (isinstance(fwd_buckets_64, int) and fwd_buckets_64 >= 1):
@@ -256,6 +256,15 @@ class TileLangBackend:
             return kv_k, idx[..., :topk]
         n_kv = kv_k.shape[1] - 1
         return kv_k[:, :n_kv], torch.where(idx[..., :topk] == n_kv, -1, idx[..., :topk])
+
+    def padded_views(self, saved, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv, indices) as views of :meth:`save`'s tensors, no copy and no launch: a slot is valid
+        iff 0 <= index < T_kv (the rewrite's sentinel T_kv reads as padding, like -1). What the
+        guard's device-side repair reads (``row_repair``)."""
+        kv_k, idx, _ = saved
+        if not self.safe:
+            return kv_k, idx[..., :topk]
+        return kv_k[:, : kv_k.shape[1] - 1], idx[..., :topk]
 
     def _geometry(self, q, kv, minimum):
         H, G = q.shape[2], kv.shape[2]

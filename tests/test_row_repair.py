@@ -1,0 +1,74 @@
+"""The guard's device-side backward repair (``ops.row_repair``) in the Triton interpreter on CPU:
+poisoned dq rows and dkv rows come back equal to the PyTorch reference, every other entry bit
+for bit as it was, the counters and the still-nonfinite flag are right, and with the nonfinite
+flag clear the kernels change nothing (not even poisoned rows)."""
+
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import torch
+from glm5_dsa_plugin.ops import reference
+from glm5_dsa_plugin.ops.row_repair import repair_backward_rows
+
+g = torch.Generator().manual_seed(0)
+
+def case(B, T, T_kv, H, G, K, d_v, d_t, dtype, sentinel):
+    D = d_v + d_t
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)
+    kv = torch.randn(B, T_kv, G, D, generator=g).to(dtype)
+    do = torch.randn(B, T, H, d_v, generator=g).to(dtype)
+    idx = torch.randint(0, T_kv, (B, T, G, K), generator=g, dtype=torch.int32)
+    idx[torch.rand(B, T, G, K, generator=g) < 0.3] = -1
+    idx[0, 1] = -1  # a row with no valid slot
+    scale = D ** -0.5
+    want_dq, want_dkv = reference.backward(q, kv, idx, do, scale, d_v)
+    # what a backend returns: close to the reference, with a few rows poisoned
+    dq = (want_dq.float() * 1.01).to(dtype)
+    dkv = (want_dkv.float() * 1.01).to(dtype)
+    bad_q = [(0, 1), (B - 1, T - 2), (0, 3)]
+    bad_kv = [(0, int(idx[0, 0, 0][idx[0, 0, 0] >= 0][0])), (B - 1, 5)]
+    for b, t in bad_q:
+        dq[b, t, H // 2, 0] = float("nan")
+    for b, s in bad_kv:
+        dkv[b, s, G - 1, D - 1] = float("inf")
+    before_dq, before_dkv = dq.clone(), dkv.clone()
+    # the saved-input form: padding rewritten to the sentinel T_kv
+    idx_in = torch.where(idx < 0, T_kv, idx) if sentinel else idx
+    # clear flag: nothing changes
+    flags = torch.zeros(8, dtype=torch.int32)
+    repair_backward_rows(q, kv, idx_in, do, scale, d_v, dq, dkv, flags)
+    assert torch.equal(dq.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       before_dq.view(torch.int16 if dtype != torch.float32 else torch.int32)), "flag clear: dq changed"
+    assert flags.tolist() == [0] * 8
+    flags[1] = 1
+    repair_backward_rows(q, kv, idx_in, do, scale, d_v, dq, dkv, flags)
+    rq = torch.zeros(B, T, dtype=torch.bool)
+    for b, t in bad_q: rq[b, t] = True
+    rk = torch.zeros(B, T_kv, dtype=torch.bool)
+    for b, s in bad_kv: rk[b, s] = True
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(dq[rq].float(), want_dq[rq].float(), **tol)
+    torch.testing.assert_close(dkv[rk].float(), want_dkv[rk].float(), **tol)
+    assert torch.equal(dq[~rq], before_dq[~rq]) and torch.equal(dkv[~rk], before_dkv[~rk]), "good rows touched"
+    assert (dq[0, 1] == 0).all(), "a row with no valid slot has exact-zero dq"
+    assert flags.tolist()[1:5] == [1, 0, len(bad_q), len(bad_kv)], flags
+    # bad inputs: a NaN in q makes the repaired row nonfinite -> flags[2]
+    q2 = q.clone(); q2[0, 3, 0, 0] = float("nan")
+    dq2, dkv2 = before_dq.clone(), before_dkv.clone()
+    flags = torch.zeros(8, dtype=torch.int32); flags[1] = 1
+    repair_backward_rows(q2, kv, idx_in, do, scale, d_v, dq2, dkv2, flags)
+    assert flags[2] == 1, flags
+
+case(2, 9, 13, 4, 2, 40, 32, 16, torch.float32, sentinel=False)   # G=2, topk not a multiple of 16
+case(1, 7, 11, 20, 1, 24, 64, 8, torch.bfloat16, sentinel=True)  # 20 heads: two head blocks, one partial
+print("OK")
+"""
+
+
+def test_device_backward_repair_matches_reference_in_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
