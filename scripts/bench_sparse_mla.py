@@ -197,6 +197,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--indexer-lengths", default="4096,16384", help="T for the indexer comparison ('' to skip)")
     ap.add_argument("--host-profile", action="store_true", help="also write $OUT/host_profile.txt (cProfile)")
+    ap.add_argument("--guard-only", action="store_true",
+                    help="only the guard's overhead and repair cost (writes bench_sparse_mla_guard.json)")
     args = ap.parse_args()
 
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -210,7 +212,7 @@ def main():
     impls = make_impls(has_mcore)
     ref_pairs = {tuple(p.split(":")) for p in args.reference.split(",") if p}
     rows, extra = [], {}
-    for wl in args.workloads.split(","):
+    for wl in [] if args.guard_only else args.workloads.split(","):
         T, T_kv = (4096, 8192) if wl == "W1" else (4096, 4096)
         idx = w1_indices(T, T_kv, 2048, gen) if wl == "W1" else w2_indices(T, 2048, gen)
         n_valid = int((idx >= 0).sum())
@@ -328,6 +330,8 @@ def main():
         return q.grad.clone(), kv.grad.clone()
 
     try:
+        if args.guard_only:
+            raise RuntimeError("skipped (--guard-only)")
         first = step_det()
         extra["W2_H64_deterministic_bitwise_5_runs"] = all(
             torch.equal(a, b) for _ in range(4) for a, b in zip(step_det(), first))
@@ -342,7 +346,7 @@ def main():
     tkv = torch.randn(64, 1, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     tidx = torch.randint(-1, 64, (64, 1, 64), device="cuda", dtype=torch.int32)
     tg = torch.randn(64, 64, D_V, device="cuda", dtype=torch.bfloat16)
-    for label, fn in (("fwd", lambda: sparse_mla(tq.detach(), tkv.detach(), tidx, SCALE, backend="tilelang")),
+    for label, fn in () if args.guard_only else (("fwd", lambda: sparse_mla(tq.detach(), tkv.detach(), tidx, SCALE, backend="tilelang")),
                       ("fwd_bwd", lambda: sparse_mla(tq, tkv, tidx, SCALE, backend="tilelang")[0].backward(tg))):
         for _ in range(10):
             fn()
@@ -356,7 +360,7 @@ def main():
         write_host_profile(tq, tkv, tidx, tg, os.path.join(args.out, "host_profile.txt"))
 
     extra.update(guard_repair_cost(gen))
-    indexer_rows = indexer_speed(gen, args.indexer_lengths)
+    indexer_rows = [] if args.guard_only else indexer_speed(gen, args.indexer_lengths)
 
     import importlib.metadata as md
 
@@ -373,7 +377,8 @@ def main():
         rows=rows, extra=extra, indexer_rows=indexer_rows,
     )
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_sparse_mla.json"), "w") as f:
+    name = "bench_sparse_mla_guard.json" if args.guard_only else "bench_sparse_mla.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
     try:
         import matplotlib

@@ -217,8 +217,12 @@ def test_device_side_backward_repair(tmp_path, H):
 
         def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v, nonfinite_flag=None):
             dq, dkv = super().backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v)
-            dq[:, bad_q, H // 2] = float("nan")
-            dkv[:, bad_kv, 0, -1] = float("nan")
+            # bad rows: random values (far from the reference) with one NaN in head / channel 0,
+            # so an entry the repair misses cannot pass for a repaired one
+            dq[:, bad_q] = torch.randn_like(dq[:, bad_q])
+            dq[:, bad_q, 0, 0] = float("nan")
+            dkv[:, bad_kv] = torch.randn_like(dkv[:, bad_kv])
+            dkv[:, bad_kv, 0, 0] = float("nan")
             returned.setdefault("dq", dq.clone())  # the first call (the dump recomputes)
             returned.setdefault("dkv", dkv.clone())
             return dq, dkv

@@ -5,27 +5,32 @@ read drains the GPU queue on every call. These three launches instead sit behind
 on its stream and do nothing but read the flag when it is zero (the happy path); when it is set
 they rebuild, in fp32 and the reference's math, exactly what the host-side repair rebuilds:
 
-1. ``_mark_bad_kv_rows``: per kv row (b, s): ``bad_kv[b, s] = dkv[b, s]`` holds NaN/inf (any
+1. ``_mark_bad_rows``: per kv row (b, s): ``bad_kv[b, s] = dkv[b, s]`` holds NaN/inf (any
    group, any channel); a bad row's fp32 accumulator is zeroed; ``flags[4]`` counts bad rows.
+   Per query row (b, t): ``bad_q[b, t] = dq[b, t]`` holds NaN/inf (any head); ``flags[3]``
+   counts them.
 2. ``_repair_query_rows``: per query row (b, t) and block of heads of one group: the row is
    recomputed when its dq is nonfinite anywhere (all heads) or when one of its slots selects a
-   bad kv row. Three passes over its slots (softmax max/denominator, Delta = sum p * dp,
+   bad kv row (query rows in blocks of ``ROWS_PER_PROGRAM`` per program). Three passes over its slots (softmax max/denominator, Delta = sum p * dp,
    then dS = p * (dp - Delta) * sm_scale): dq for a bad row is overwritten (every head: the
    host repair's row granularity), and each slot that selects a bad kv row atomically adds its
    contribution (dS^T q, plus p^T dO on the value channels) to that row's accumulator. So a bad
-   kv row is rebuilt from *every* query row that selected it, not patched. ``flags[3]`` counts
-   repaired query rows.
+   kv row is rebuilt from *every* query row that selected it, not patched.
 3. ``_write_bad_kv_rows``: bad kv rows of dkv <- their accumulators.
 ``flags[2]`` is set when a repaired value is still nonfinite (the inputs themselves are bad).
 
 Flags (int32, device): [1] some output nonfinite (set by the backward), [2] still nonfinite after
 repair, [3] query rows repaired, [4] kv rows repaired. Slots are valid iff 0 <= idx < T_kv, so a
 backend's prepared indices (padding rewritten to a sentinel row index T_kv) are read as they are.
-Math in fp32 with IEEE dot products (no TF32); outputs in the dtype of dq/dkv. Runs under
+Math in fp32 accumulators on the tensor cores: bf16 inputs multiply as they are (exact
+products), fp32 factors (p, dS) as hi + lo bf16 halves (about 16 mantissa bits); other input
+dtypes as three TF32 products. Outputs in the dtype of dq/dkv. Runs under
 ``TRITON_INTERPRET=1`` on CPU (how CI tests it).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -34,23 +39,41 @@ import triton.language as tl
 from .triton_helpers import _has_nonfinite
 
 HEADS_PER_PROGRAM = 16  # rows of each tl.dot (its minimum M)
-SLOTS_PER_STEP = 16
+SLOTS_PER_STEP = 32
+# query rows per program: with the flag clear every program only reads it, so few programs
+# (the kernel's shared memory allows one per SM: 4096 one-row programs were ~0.1 ms of waves)
+ROWS_PER_PROGRAM = 32
+# fp32 operands on the tensor cores as three TF32 products (about fp32 accuracy; "ieee" is
+# plain FMA, several times slower at these shapes)
+DOT_PRECISION = "tf32x3"
 
 
 @triton.jit
-def _mark_bad_kv_rows(DKV, BAD_KV, ACC, FLAGS, row_elems: tl.constexpr, BLOCK: tl.constexpr):
+def _mark_bad_rows(DKV, BAD_KV, ACC, n_kv_rows, DQ, BAD_Q, FLAGS, KV_ROW: tl.constexpr, Q_ROW: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Programs [0, n_kv_rows): kv row r of DKV; the rest: query row r - n_kv_rows of DQ."""
     if tl.load(FLAGS + 1) != 0:
         r = tl.program_id(0).to(tl.int64)
-        bad = 0
-        for c in range(0, row_elems, BLOCK):
-            offs = c + tl.arange(0, BLOCK)
-            bad = tl.maximum(bad, _has_nonfinite(tl.load(DKV + r * row_elems + offs, mask=offs < row_elems, other=0.0)))
-        tl.store(BAD_KV + r, bad)
-        if bad > 0:
-            for c in range(0, row_elems, BLOCK):
+        if r < n_kv_rows:
+            bad = 0
+            for c in range(0, KV_ROW, BLOCK):
                 offs = c + tl.arange(0, BLOCK)
-                tl.store(ACC + r * row_elems + offs, tl.zeros([BLOCK], tl.float32), mask=offs < row_elems)
-            tl.atomic_add(FLAGS + 4, 1)
+                bad = tl.maximum(bad, _has_nonfinite(tl.load(DKV + r * KV_ROW + offs, mask=offs < KV_ROW, other=0.0)))
+            tl.store(BAD_KV + r, bad)
+            if bad > 0:
+                for c in range(0, KV_ROW, BLOCK):
+                    offs = c + tl.arange(0, BLOCK)
+                    tl.store(ACC + r * KV_ROW + offs, tl.zeros([BLOCK], tl.float32), mask=offs < KV_ROW)
+                tl.atomic_add(FLAGS + 4, 1)
+        else:
+            r -= n_kv_rows
+            bad = 0
+            for c in range(0, Q_ROW, BLOCK):
+                offs = c + tl.arange(0, BLOCK)
+                bad = tl.maximum(bad, _has_nonfinite(tl.load(DQ + r * Q_ROW + offs, mask=offs < Q_ROW, other=0.0)))
+            tl.store(BAD_Q + r, bad)
+            if bad > 0:
+                tl.atomic_add(FLAGS + 3, 1)
 
 
 @triton.jit
@@ -70,126 +93,148 @@ def _write_bad_kv_rows(DKV, BAD_KV, ACC, FLAGS, row_elems: tl.constexpr, BLOCK: 
 
 
 @triton.jit
+def _mm(a, b, BF16: tl.constexpr, PREC: tl.constexpr):
+    """a @ b, fp32 result. BF16 (a, b bf16, or a fp32 and b bf16): on bf16 tensor cores, exact
+    products in fp32 accumulators; an fp32 ``a`` goes as hi + lo bf16 halves (about 16
+    mantissa bits). Else fp32 operands at PREC."""
+    if BF16:
+        if a.dtype == tl.float32:
+            hi = a.to(tl.bfloat16)
+            lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+            return tl.dot(hi, b) + tl.dot(lo, b)
+        else:
+            return tl.dot(a, b)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
 def _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V: tl.constexpr, D_T: tl.constexpr,
                 BV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
     """Slots [s0, s0 + BS) of one row -> (valid [BS], kv rows int64 [BS], value channels [BS, BV],
-    tail channels [BS, BT]) in fp32, zero where invalid."""
+    tail channels [BS, BT]) in kv's dtype, zero where invalid."""
     so = s0 + tl.arange(0, BS)
     i = tl.load(IDX + i_base + so, mask=so < K, other=-1)
     valid = (i >= 0) & (i < T_kv)
     rows = tl.where(valid, i, 0).to(tl.int64)
     ptr = KV + kv_base + rows[:, None] * s_ks
     ov, ot = tl.arange(0, BV), tl.arange(0, BT)
-    k_v = tl.load(ptr + ov[None, :], mask=valid[:, None] & (ov < D_V)[None, :], other=0.0).to(tl.float32)
-    k_t = tl.load(ptr + D_V + ot[None, :], mask=valid[:, None] & (ot < D_T)[None, :], other=0.0).to(tl.float32)
+    k_v = tl.load(ptr + ov[None, :], mask=valid[:, None] & (ov < D_V)[None, :], other=0.0)
+    k_t = tl.load(ptr + D_V + ot[None, :], mask=valid[:, None] & (ot < D_T)[None, :], other=0.0)
     return valid, rows, k_v, k_t
 
 
 @triton.jit
-def _repair_query_rows(Q, KV, IDX, DO, DQ, BAD_KV, ACC, FLAGS, T, T_kv, H: tl.constexpr, HG: tl.constexpr,
+def _repair_query_rows(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, n_rows, T, T_kv, H: tl.constexpr, HG: tl.constexpr,
                        G: tl.constexpr, K: tl.constexpr, sm_scale,
                        s_kb, s_ks, s_kg, s_ib, s_it, s_ig,
                        D_V: tl.constexpr, D_T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       HB: tl.constexpr, BS: tl.constexpr):
-    """Program (b * T + t, g * cdiv(HG, HB) + head block). Q/DQ [B, T, H, D_V + D_T], DO
-    [B, T, H, D_V] and ACC [B, T_kv, G, D_V + D_T] contiguous; KV and IDX strided."""
+                       HB: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr,
+                       BF16: tl.constexpr):
+    """Program (block of ROWS query rows b * T + t, g * cdiv(HG, HB) + head block). Q/DQ
+    [B, T, H, D_V + D_T], DO [B, T, H, D_V] and ACC [B, T_kv, G, D_V + D_T] contiguous; KV and
+    IDX strided. Rows are marked bad (BAD_Q) by an earlier launch: a head block must not judge
+    its row from dq that another block of the same row may already have repaired."""
     if tl.load(FLAGS + 1) != 0:
-        row = tl.program_id(0).to(tl.int64)
-        b, t = row // T, row % T
         n_hb = tl.cdiv(HG, HB)
         g, hb = tl.program_id(1) // n_hb, tl.program_id(1) % n_hb
-        D: tl.constexpr = D_V + D_T
-        ov, ot = tl.arange(0, BV), tl.arange(0, BT)
-        mv, mt = ov < D_V, ot < D_T
-        # is dq of this row nonfinite in any head?
-        bad_q = 0
-        for h0 in range(0, H, HB):
-            hh = h0 + tl.arange(0, HB)
-            base = DQ + (row * H + hh[:, None]) * D
-            m = (hh < H)[:, None]
-            bad_q = tl.maximum(bad_q, tl.max(_has_nonfinite(tl.load(base + ov[None, :], mask=m & mv[None, :], other=0.0))))
-            bad_q = tl.maximum(bad_q, tl.max(_has_nonfinite(tl.load(base + D_V + ot[None, :], mask=m & mt[None, :], other=0.0))))
-        # does one of its slots (this group) select a bad kv row?
-        i_base = b * s_ib + t * s_it + g * s_ig
-        kv_base = b * s_kb + g * s_kg
-        sel_bad = 0
-        if tl.load(FLAGS + 4) != 0:
-            for s0 in range(0, K, BS):
-                so = s0 + tl.arange(0, BS)
-                i = tl.load(IDX + i_base + so, mask=so < K, other=-1)
-                valid = (i >= 0) & (i < T_kv)
-                hit = tl.load(BAD_KV + b * T_kv + tl.where(valid, i, 0).to(tl.int64), mask=valid, other=0)
-                sel_bad = tl.maximum(sel_bad, tl.max(hit))
-        if (bad_q + sel_bad) > 0:
-            hl = hb * HB + tl.arange(0, HB)  # head within the group
-            mh = hl < HG
-            h = g * HG + hl
-            qrow = (row * H + h[:, None]) * D
-            q_v = tl.load(Q + qrow + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0).to(tl.float32)
-            q_t = tl.load(Q + qrow + D_V + ot[None, :], mask=mh[:, None] & mt[None, :], other=0.0).to(tl.float32)
-            do = tl.load(DO + (row * H + h[:, None]) * D_V + ov[None, :], mask=mh[:, None] & mv[None, :],
-                         other=0.0).to(tl.float32)
-            # pass 1: row max and softmax denominator per head
-            m_i = tl.full([HB], float("-inf"), tl.float32)
-            l_i = tl.zeros([HB], tl.float32)
-            for s0 in range(0, K, BS):
-                valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
-                s = (tl.dot(q_v, tl.trans(k_v), input_precision="ieee")
-                     + tl.dot(q_t, tl.trans(k_t), input_precision="ieee")) * sm_scale
-                s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
-                m_i = m_new
-            # rows with no valid slot: p == 0 everywhere (exp(-inf - 0))
-            lse = tl.where(m_i == float("-inf"), 0.0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)))
-            # pass 2: Delta = sum_j p_j * dp_j
-            delta = tl.zeros([HB], tl.float32)
-            for s0 in range(0, K, BS):
-                valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
-                s = (tl.dot(q_v, tl.trans(k_v), input_precision="ieee")
-                     + tl.dot(q_t, tl.trans(k_t), input_precision="ieee")) * sm_scale
-                p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
-                dp = tl.dot(do, tl.trans(k_v), input_precision="ieee")
-                delta += tl.sum(p * dp, 1)
-            # pass 3: dS, dq, and the contributions to bad kv rows
-            dq_v = tl.zeros([HB, BV], tl.float32)
-            dq_t = tl.zeros([HB, BT], tl.float32)
-            for s0 in range(0, K, BS):
-                valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
-                s = (tl.dot(q_v, tl.trans(k_v), input_precision="ieee")
-                     + tl.dot(q_t, tl.trans(k_t), input_precision="ieee")) * sm_scale
-                p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
-                dp = tl.dot(do, tl.trans(k_v), input_precision="ieee")
-                ds = p * (dp - delta[:, None]) * sm_scale
-                dq_v += tl.dot(ds, k_v, input_precision="ieee")
-                dq_t += tl.dot(ds, k_t, input_precision="ieee")
-                if sel_bad > 0:
-                    hit = tl.load(BAD_KV + b * T_kv + rows, mask=valid, other=0) != 0
-                    dk_v = (tl.dot(tl.trans(ds), q_v, input_precision="ieee")
-                            + tl.dot(tl.trans(p), do, input_precision="ieee"))
-                    dk_t = tl.dot(tl.trans(ds), q_t, input_precision="ieee")
-                    arow = ACC + ((b * T_kv + rows) * G + g)[:, None] * D
-                    tl.atomic_add(arow + ov[None, :], dk_v, mask=hit[:, None] & mv[None, :])
-                    tl.atomic_add(arow + D_V + ot[None, :], dk_t, mask=hit[:, None] & mt[None, :])
-            if bad_q > 0:
-                x_v = dq_v.to(DQ.dtype.element_ty)
-                x_t = dq_t.to(DQ.dtype.element_ty)
-                tl.store(DQ + qrow + ov[None, :], x_v, mask=mh[:, None] & mv[None, :])
-                tl.store(DQ + qrow + D_V + ot[None, :], x_t, mask=mh[:, None] & mt[None, :])
-                if tl.maximum(tl.max(_has_nonfinite(x_v)), tl.max(_has_nonfinite(x_t))) > 0:
-                    tl.atomic_max(FLAGS + 2, 1)
-                if tl.program_id(1) == 0:
-                    tl.atomic_add(FLAGS + 3, 1)
+        for rr in range(ROWS):
+            row = tl.program_id(0).to(tl.int64) * ROWS + rr
+            if row < n_rows:
+                _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T, T_kv, H, HG, G, K,
+                                sm_scale, s_kb, s_ks, s_kg, s_ib, s_it, s_ig, D_V, D_T, BV, BT, HB, BS, PREC, BF16)
+
+
+@triton.jit
+def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T, T_kv, H: tl.constexpr,
+                    HG: tl.constexpr, G: tl.constexpr, K: tl.constexpr, sm_scale, s_kb, s_ks, s_kg, s_ib, s_it, s_ig,
+                    D_V: tl.constexpr, D_T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, HB: tl.constexpr,
+                    BS: tl.constexpr, PREC: tl.constexpr, BF16: tl.constexpr):
+    """Query row ``row`` = b * T + t, heads [hb * HB, (hb + 1) * HB) of group g (see _repair_query_rows)."""
+    b, t = row // T, row % T
+    D: tl.constexpr = D_V + D_T
+    ov, ot = tl.arange(0, BV), tl.arange(0, BT)
+    mv, mt = ov < D_V, ot < D_T
+    bad_q = tl.load(BAD_Q + row)
+    # does one of its slots (this group) select a bad kv row?
+    i_base = b * s_ib + t * s_it + g * s_ig
+    kv_base = b * s_kb + g * s_kg
+    sel_bad = 0
+    if tl.load(FLAGS + 4) != 0:
+        for s0 in range(0, K, BS):
+            so = s0 + tl.arange(0, BS)
+            i = tl.load(IDX + i_base + so, mask=so < K, other=-1)
+            valid = (i >= 0) & (i < T_kv)
+            hit = tl.load(BAD_KV + b * T_kv + tl.where(valid, i, 0).to(tl.int64), mask=valid, other=0)
+            sel_bad = tl.maximum(sel_bad, tl.max(hit))
+    if (bad_q + sel_bad) > 0:
+        hl = hb * HB + tl.arange(0, HB)  # head within the group
+        mh = hl < HG
+        h = g * HG + hl
+        qrow = (row * H + h[:, None]) * D
+        q_v = tl.load(Q + qrow + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
+        q_t = tl.load(Q + qrow + D_V + ot[None, :], mask=mh[:, None] & mt[None, :], other=0.0)
+        do = tl.load(DO + (row * H + h[:, None]) * D_V + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
+        # pass 1: row max and softmax denominator per head
+        m_i = tl.full([HB], float("-inf"), tl.float32)
+        l_i = tl.zeros([HB], tl.float32)
+        for s0 in range(0, K, BS):
+            valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
+            s = (_mm(q_v, tl.trans(k_v), BF16, PREC) + _mm(q_t, tl.trans(k_t), BF16, PREC)) * sm_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+            m_i = m_new
+        # rows with no valid slot: p == 0 everywhere (exp(-inf - 0))
+        lse = tl.where(m_i == float("-inf"), 0.0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)))
+        # pass 2: Delta = sum_j p_j * dp_j
+        delta = tl.zeros([HB], tl.float32)
+        for s0 in range(0, K, BS):
+            valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
+            s = (_mm(q_v, tl.trans(k_v), BF16, PREC) + _mm(q_t, tl.trans(k_t), BF16, PREC)) * sm_scale
+            p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
+            dp = _mm(do, tl.trans(k_v), BF16, PREC)
+            delta += tl.sum(p * dp, 1)
+        # pass 3: dS, dq, and the contributions to bad kv rows
+        dq_v = tl.zeros([HB, BV], tl.float32)
+        dq_t = tl.zeros([HB, BT], tl.float32)
+        for s0 in range(0, K, BS):
+            valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
+            s = (_mm(q_v, tl.trans(k_v), BF16, PREC) + _mm(q_t, tl.trans(k_t), BF16, PREC)) * sm_scale
+            p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
+            dp = _mm(do, tl.trans(k_v), BF16, PREC)
+            ds = p * (dp - delta[:, None]) * sm_scale
+            dq_v += _mm(ds, k_v, BF16, PREC)
+            dq_t += _mm(ds, k_t, BF16, PREC)
+            if sel_bad > 0:
+                hit = tl.load(BAD_KV + b * T_kv + rows, mask=valid, other=0) != 0
+                dk_v = _mm(tl.trans(ds), q_v, BF16, PREC) + _mm(tl.trans(p), do, BF16, PREC)
+                dk_t = _mm(tl.trans(ds), q_t, BF16, PREC)
+                arow = ACC + ((b * T_kv + rows) * G + g)[:, None] * D
+                tl.atomic_add(arow + ov[None, :], dk_v, mask=hit[:, None] & mv[None, :])
+                tl.atomic_add(arow + D_V + ot[None, :], dk_t, mask=hit[:, None] & mt[None, :])
+        if bad_q > 0:
+            x_v = dq_v.to(DQ.dtype.element_ty)
+            x_t = dq_t.to(DQ.dtype.element_ty)
+            tl.store(DQ + qrow + ov[None, :], x_v, mask=mh[:, None] & mv[None, :])
+            tl.store(DQ + qrow + D_V + ot[None, :], x_t, mask=mh[:, None] & mt[None, :])
+            if tl.maximum(tl.max(_has_nonfinite(x_v)), tl.max(_has_nonfinite(x_t))) > 0:
+                tl.atomic_max(FLAGS + 2, 1)
 
 
 def repair_backward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                          sm_scale: float, d_v: int, dq: torch.Tensor, dkv: torch.Tensor,
-                         flags: torch.Tensor) -> None:
+                         flags: torch.Tensor, precision: str = DOT_PRECISION, slots_per_step: int = SLOTS_PER_STEP,
+                         num_warps: int = 8, rows_per_program: int = ROWS_PER_PROGRAM,
+                         bf16: bool | None = None) -> None:
     """Repair dq [B,T,H,Dqk] and dkv [B,T_kv,G,Dqk] (contiguous) in place when ``flags[1] != 0``
     (module docstring); q [B,T,H,Dqk], grad_out [B,T,H,d_v], kv [B,T_kv,G,Dqk] and indices
     [B,T,G,K] as the call saw them (kv and indices may be strided views). ``flags``: int32 [>= 5],
-    device. Three launches, no host sync; with ``flags[1] == 0`` they only read it."""
+    device. Three launches, no host sync; with ``flags[1] == 0`` they only read it.
+    ``precision`` / ``slots_per_step`` / ``num_warps`` / ``rows_per_program``: the query-row
+    kernel's fp32 dot precision ("tf32x3" or "ieee"), slots per step, warps and rows per program;
+    ``bf16=False`` forces fp32 dots for bf16 inputs (scripts/bench_row_repair.py times them)."""
     B, T, H, D = q.shape
     T_kv, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
     if not (dq.is_contiguous() and dkv.is_contiguous()):
@@ -205,14 +250,20 @@ def repair_backward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     if n_kv_rows == 0 or B * T == 0:
         return
     bad_kv = torch.empty(n_kv_rows, dtype=torch.int32, device=q.device)
+    bad_q = torch.empty(B * T, dtype=torch.int32, device=q.device)
     acc = torch.empty(B, T_kv, G, D, dtype=torch.float32, device=q.device)
-    block = min(triton.next_power_of_2(row_elems), 1024)
-    _mark_bad_kv_rows[(n_kv_rows,)](dkv, bad_kv, acc, flags, row_elems, BLOCK=block)
+    block = 1024
+    _mark_bad_rows[(n_kv_rows + B * T,)](dkv, bad_kv, acc, n_kv_rows, dq, bad_q, flags, KV_ROW=row_elems, Q_ROW=H * D,
+                                         BLOCK=block)
+    # bf16 tensor-core dots for bf16 inputs; not under TRITON_INTERPRET (its bf16 tl.dot is wrong
+    # in Triton 3.6), where the fp32 path computes the same values
+    bf16_dots = (q.dtype == kv.dtype == grad_out.dtype == torch.bfloat16 and bf16 is not False
+                 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
     hb = HEADS_PER_PROGRAM
-    grid = (B * T, G * triton.cdiv(HG, hb))
+    grid = (triton.cdiv(B * T, rows_per_program), G * triton.cdiv(HG, hb))
     _repair_query_rows[grid](
-        q, kv, indices, grad_out, dq, bad_kv, acc, flags, T, T_kv, H, HG, G, K, float(sm_scale),
+        q, kv, indices, grad_out, dq, bad_kv, bad_q, acc, flags, B * T, T, T_kv, H, HG, G, K, float(sm_scale),
         kv.stride(0), kv.stride(1), kv.stride(2), indices.stride(0), indices.stride(1), indices.stride(2),
         D_V=d_v, D_T=D - d_v, BV=triton.next_power_of_2(d_v), BT=max(16, triton.next_power_of_2(D - d_v)),
-        HB=hb, BS=SLOTS_PER_STEP, num_warps=8)
+        HB=hb, BS=slots_per_step, PREC=precision, ROWS=rows_per_program, BF16=bf16_dots, num_warps=num_warps)
     _write_bad_kv_rows[(n_kv_rows,)](dkv, bad_kv, acc, flags, row_elems, BLOCK=block)
