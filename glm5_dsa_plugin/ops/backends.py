@@ -23,7 +23,9 @@ class Backend(Protocol):
     Optional, for a backend that prepares its inputs (e.g. rewritten indices) once per call:
     ``forward_saving(...) -> (out, lse, saved)``, ``saved`` a tuple of tensors autograd keeps in
     place of (kv, indices); ``backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v)``;
-    ``originals(saved, topk) -> (kv, indices)`` for the guard's reference repair. With
+    ``originals(saved, topk) -> (kv, indices)`` for the guard's reference repair, and optionally
+    ``padded_views(saved, topk) -> (kv, indices)`` as views without a copy, where a slot is valid
+    iff 0 <= index < T_kv (the guard's device-side repair reads these on every backward). With
     ``reports_nonfinite = True`` its ``backward_saved`` also takes ``nonfinite_flag`` (int32 [1])
     and sets it when dq or dkv holds NaN/inf, so the guard makes no pass of its own."""
 

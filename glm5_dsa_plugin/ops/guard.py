@@ -352,36 +352,37 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
 
 class _PendingRepairs:
     """Flags of device-repaired backward calls on their way to pinned host memory, oldest first.
-    ``settle`` handles those whose copy is done (``Event.query``, never a wait unless asked, or
-    unless more than ``MAX_PENDING`` are queued: then it waits for the oldest, which the GPU
-    has long been working past)."""
+    ``settle`` handles those whose copy is done (``Event.query``); it never waits unless asked,
+    or unless more than ``MAX_PENDING`` are queued: then it waits for the oldest, and the later
+    calls' kernels stay queued on the GPU meanwhile (so the wait does not drain it)."""
 
     MAX_PENDING = 2
 
     def __init__(self):
         self._queue: list[tuple] = []
-        self._spare: list[tuple] = []  # (pinned int32 [FLAG_SLOTS], event) to reuse
+        self._spare: dict[torch.device, list[tuple]] = {}  # per device: (pinned int32 [FLAG_SLOTS], event)
 
     def push(self, flags: torch.Tensor, call: tuple) -> None:
-        host, event = self._spare.pop() if self._spare else (
+        spare = self._spare.setdefault(flags.device, [])
+        host, event = spare.pop() if spare else (
             torch.empty(FLAG_SLOTS, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
         host.copy_(flags, non_blocking=True)
-        event.record()
-        self._queue.append((host, event, call))
+        event.record(torch.cuda.current_stream(flags.device))
+        self._queue.append((flags.device, host, event, call))
         if len(self._queue) > self.MAX_PENDING:
-            self._queue[0][1].synchronize()
+            self._queue[0][2].synchronize()
         self.settle()
 
     def settle(self, wait_all: bool = False) -> None:
         while self._queue:
-            host, event, call = self._queue[0]
+            device, host, event, call = self._queue[0]
             if wait_all:
                 event.synchronize()
             elif not event.query():
                 return
             self._queue.pop(0)
             values = host.tolist()
-            self._spare.append((host, event))
+            self._spare[device].append((host, event))
             if values[1]:
                 _settle_backward_event(values, call)
 
