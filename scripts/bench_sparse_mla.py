@@ -49,17 +49,10 @@ def make_impls(has_mcore):
     # its single-stage bucket kernels are built up front, in parallel; "ours_2stage64" is the
     # previous default (one two-stage launch), measured in the same run at H64
     try:
-        from concurrent.futures import ThreadPoolExecutor
-
         from glm5_dsa_plugin.ops.backends import register_backend
-        from glm5_dsa_plugin.ops.tilelang_backend import AUTO_BUCKETS_64, TileLangBackend, forward_launches
-        from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
+        from glm5_dsa_plugin.ops.tilelang_backend import AUTO_BUCKETS_64, TileLangBackend
 
-        with ThreadPoolExecutor(8) as ex:
-            list(ex.map(lambda p: sparse_mla_fwd_kernel(64, D_V, 64, 2048, 1, float(SCALE), True, block_i=64,
-                                                        num_stages=p[2], threads=256, select_in_kernel=False,
-                                                        blocks=p[:2]),
-                        forward_launches(64, 32, 4, AUTO_BUCKETS_64)))
+        TileLangBackend().forward_kernels(64, D_V, 64, 2048, 1, SCALE, 64, AUTO_BUCKETS_64)
         register_backend("tilelang_2stage64", lambda: TileLangBackend(fwd_buckets_64=1), replace=True)
         impls["ours_2stage64"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_2stage64")
     except Exception as exc:  # noqa: BLE001 - an option failing to build is a result, not a crash

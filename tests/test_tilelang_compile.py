@@ -47,7 +47,6 @@ def test_every_forward_launch_fits_in_shared_memory(hg, buckets_64):
     the bucketed two-stage 64-row tile once asked for 230 KiB and failed at launch on the H200,
     so 64-row tiles are bucketed only single-stage (``fwd_buckets_64``)."""
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, forward_launches, padded_heads_per_group
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
 
     be = TileLangBackend(fwd_buckets_64=buckets_64)
     hg_pad = padded_heads_per_group(hg, be.fwd_min_heads)
@@ -56,10 +55,10 @@ def test_every_forward_launch_fits_in_shared_memory(hg, buckets_64):
     plan = forward_launches(hg_pad, n_blocks, be.fwd_buckets, be.fwd_buckets_64)
     assert (len(plan) > 1) == (hg_pad < 64 or buckets_64 > 1)  # where tail skipping fits
     assert all(stages == (1 if hg_pad >= 64 and buckets_64 > 1 else 2) for _, _, stages in plan)
-    for lo, hi, stages in plan:
-        k = sparse_mla_fwd_kernel(hg_pad, 512, 64, 2048, 1, 256**-0.5, target=SM90, block_i=block, num_stages=stages,
-                                  select_in_kernel=be.fwd_select_in_kernel,
-                                  blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi))
+    # the backend's own builder (several launches: built in parallel threads)
+    kernels = be.forward_kernels(hg_pad, 512, 64, 2048, 1, 256**-0.5, hg_pad, be.fwd_buckets_64, target=SM90)
+    assert len(kernels) == len(plan)
+    for (lo, hi, stages), k in zip(plan, kernels):
         assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM, (hg, lo, hi, _requested_dyn_smem(k))
         assert "cp_async" in k.get_kernel_source()  # the bucket's row test kept async gathers
 

@@ -195,6 +195,7 @@ class TileLangBackend:
         # launch; "auto": per call from the rows' block counts of the last call of that shape)
         self.fwd_buckets_64 = fwd_buckets_64
         self._block_counts: dict[tuple, _BlockCountsOfLastCall] = {}
+        self._built_plans: set[tuple] = set()  # forward plans whose kernels were built (forward_kernels)
         # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
         # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
         self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
@@ -279,7 +280,7 @@ class TileLangBackend:
 
     def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
         """-> (out, lse, saved): ``saved`` (from :meth:`save`) is what :meth:`backward_saved` needs."""
-        from .tilelang_kernels import BLOCK_TOPK, sparse_mla_fwd_kernel
+        from .tilelang_kernels import BLOCK_TOPK
 
         self._check(q, kv, d_v)
         G, hg, hg_pad = self._geometry(q, kv, self.fwd_min_heads)
@@ -293,17 +294,44 @@ class TileLangBackend:
         B, T, Hp, Dqk = qp.shape
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
-        plan = forward_launches(hg_pad, n_blocks, self.fwd_buckets, buckets_64) if T > 0 else []
-        for lo, hi, stages in plan:
-            kernel = sparse_mla_fwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
-                                           block_i=block, num_stages=stages,
-                                           threads=self.fwd_threads_16 if small else 256,
-                                           select_in_kernel=self.fwd_select_in_kernel,
-                                           blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi))
-            kernel(qp, kv_k, idx, extent, out, lse)
+        if T > 0:
+            for kernel in self.forward_kernels(Hp, d_v, Dqk - d_v, idx.shape[-1], G, sm_scale, hg_pad, buckets_64):
+                kernel(qp, kv_k, idx, extent, out, lse)
         if last is not None:
             last.record(counts)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
+
+    def forward_kernels(self, Hp: int, d_v: int, d_tail: int, k_pad: int, G: int, sm_scale: float, hg_pad: int,
+                        buckets_64: int, target: str | None = None) -> list:
+        """The forward's kernels for one launch plan (``forward_launches``), in launch order.
+        The first time a plan is asked for, its kernels are built in parallel threads (TileLang
+        compiles outside the GIL): the call that first switches a shape to 8 single-stage row
+        buckets builds them at once, not one after another. ``target``: build only (CPU tests)."""
+        from .tilelang_kernels import BLOCK_TOPK, sparse_mla_fwd_kernel
+
+        small = hg_pad == 16
+        block = self.fwd_block_16 if small else BLOCK_TOPK
+        n_blocks = k_pad // block
+        plan = forward_launches(hg_pad, n_blocks, self.fwd_buckets, buckets_64)
+
+        def build(launch):
+            lo, hi, stages = launch
+            return sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self.safe,
+                                         block_i=block, num_stages=stages,
+                                         threads=self.fwd_threads_16 if small else 256,
+                                         select_in_kernel=self.fwd_select_in_kernel,
+                                         blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi),
+                                         **({} if target is None else {"target": target}))
+
+        key = (Hp, d_v, d_tail, k_pad, G, float(sm_scale), hg_pad, buckets_64, target)
+        if len(plan) > 1 and key not in self._built_plans:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(len(plan), 8)) as pool:
+                kernels = list(pool.map(build, plan))
+            self._built_plans.add(key)
+            return kernels
+        return [build(launch) for launch in plan]
 
     def _plan_64(self, indices, hg_pad, n_blocks, device):
         """-> (buckets_64 for this call, zeroed row-count buffer to fill or None, its
