@@ -43,9 +43,19 @@ SLOTS_PER_STEP = 32
 # query rows per program: with the flag clear every program only reads it, so few programs
 # (the kernel's shared memory allows one per SM: 4096 one-row programs were ~0.1 ms of waves)
 ROWS_PER_PROGRAM = 32
-# fp32 operands on the tensor cores as three TF32 products (about fp32 accuracy; "ieee" is
-# plain FMA, several times slower at these shapes)
+# dots of inputs other than bf16 (and under TRITON_INTERPRET): fp32 operands as three TF32
+# products on the tensor cores, about fp32 accuracy ("ieee": plain FMA)
 DOT_PRECISION = "tf32x3"
+
+
+@triton.jit
+def _row_has_nonfinite(X, r, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """1 if row r of X (rows of ROW contiguous elements) holds NaN/inf, else 0."""
+    bad = 0
+    for c in range(0, ROW, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        bad = tl.maximum(bad, _has_nonfinite(tl.load(X + r * ROW + offs, mask=offs < ROW, other=0.0)))
+    return bad
 
 
 @triton.jit
@@ -55,10 +65,7 @@ def _mark_bad_rows(DKV, BAD_KV, ACC, n_kv_rows, DQ, BAD_Q, FLAGS, KV_ROW: tl.con
     if tl.load(FLAGS + 1) != 0:
         r = tl.program_id(0).to(tl.int64)
         if r < n_kv_rows:
-            bad = 0
-            for c in range(0, KV_ROW, BLOCK):
-                offs = c + tl.arange(0, BLOCK)
-                bad = tl.maximum(bad, _has_nonfinite(tl.load(DKV + r * KV_ROW + offs, mask=offs < KV_ROW, other=0.0)))
+            bad = _row_has_nonfinite(DKV, r, KV_ROW, BLOCK)
             tl.store(BAD_KV + r, bad)
             if bad > 0:
                 for c in range(0, KV_ROW, BLOCK):
@@ -67,10 +74,7 @@ def _mark_bad_rows(DKV, BAD_KV, ACC, n_kv_rows, DQ, BAD_Q, FLAGS, KV_ROW: tl.con
                 tl.atomic_add(FLAGS + 4, 1)
         else:
             r -= n_kv_rows
-            bad = 0
-            for c in range(0, Q_ROW, BLOCK):
-                offs = c + tl.arange(0, BLOCK)
-                bad = tl.maximum(bad, _has_nonfinite(tl.load(DQ + r * Q_ROW + offs, mask=offs < Q_ROW, other=0.0)))
+            bad = _row_has_nonfinite(DQ, r, Q_ROW, BLOCK)
             tl.store(BAD_Q + r, bad)
             if bad > 0:
                 tl.atomic_add(FLAGS + 3, 1)
