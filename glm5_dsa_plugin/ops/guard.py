@@ -26,7 +26,7 @@ Repair method (``fallback``):
   themselves are bad: the guard raises ``FloatingPointError`` with the dump path (for a
   device-side backward repair, when its flags are settled: at a later call or ``stats()``).
   On CUDA the backward repair is the same method computed by ``row_repair``'s Triton kernels
-  (fp32, IEEE dot products) instead of ``reference.backward``; a dump of such an event holds
+  (fp32 accumulation, exact bf16 products; see there) instead of ``reference.backward``; a dump of such an event holds
   bad outputs recomputed at settling (the call's own were repaired in place), flagged
   ``bad_outputs_recomputed``.
 
@@ -97,7 +97,8 @@ def policy() -> str:
 
 def stats() -> dict:
     """Counters for training logs: calls_checked, events, rows_repaired, kv_rows_repaired, dumps.
-    Settles every pending device-side repair first (waits for their flags)."""
+    Settles every pending device-side repair first (waits for their flags; raises the deferred
+    FloatingPointError if one of them found its inputs bad)."""
     _pending.settle(wait_all=True)
     return asdict(_stats)
 

@@ -9,10 +9,11 @@ they rebuild, in fp32 and the reference's math, exactly what the host-side repai
    group, any channel); a bad row's fp32 accumulator is zeroed; ``flags[4]`` counts bad rows.
    Per query row (b, t): ``bad_q[b, t] = dq[b, t]`` holds NaN/inf (any head); ``flags[3]``
    counts them.
-2. ``_repair_query_rows``: per query row (b, t) and block of heads of one group: the row is
-   recomputed when its dq is nonfinite anywhere (all heads) or when one of its slots selects a
-   bad kv row (query rows in blocks of ``ROWS_PER_PROGRAM`` per program). Three passes over its slots (softmax max/denominator, Delta = sum p * dp,
-   then dS = p * (dp - Delta) * sm_scale): dq for a bad row is overwritten (every head: the
+2. ``_repair_query_rows``: per query row (b, t) and block of heads of one group (rows in
+   blocks of ``ROWS_PER_PROGRAM`` per program): the row is recomputed when its dq is nonfinite
+   anywhere (all heads) or when one of its slots selects a bad kv row. Three passes over its
+   slots (softmax max/denominator, Delta = sum p * dp, then
+   dS = p * (dp - Delta) * sm_scale): dq for a bad row is overwritten (every head: the
    host repair's row granularity), and each slot that selects a bad kv row atomically adds its
    contribution (dS^T q, plus p^T dO on the value channels) to that row's accumulator. So a bad
    kv row is rebuilt from *every* query row that selected it, not patched.
@@ -40,8 +41,9 @@ from .triton_helpers import _has_nonfinite
 
 HEADS_PER_PROGRAM = 16  # rows of each tl.dot (its minimum M)
 SLOTS_PER_STEP = 32
-# query rows per program: with the flag clear every program only reads it, so few programs
-# (the kernel's shared memory allows one per SM: 4096 one-row programs were ~0.1 ms of waves)
+# query rows per program: with the flag clear every program only reads it, so fewer programs
+# mean fewer waves of a kernel that fits one or two per SM (no measured difference at W2 H64:
+# guard overhead +1.6% with 1 and with 32 rows, benchmarks/NOTES.md session 5)
 ROWS_PER_PROGRAM = 32
 # dots of inputs other than bf16 (and under TRITON_INTERPRET): fp32 operands as three TF32
 # products on the tensor cores, about fp32 accuracy ("ieee": plain FMA)
