@@ -300,3 +300,68 @@ def test_backward_repair_through_saved_inputs(tmp_path):
         unregister_backend(be.name)
         configure(policy="fallback", dump_dir="glm5_dsa_dumps", dump_every=100)
         reset_guard_stats()
+
+
+class _FakeEvent:
+    """Stands in for a CUDA event: the test says when the copy behind it has arrived."""
+
+    def __init__(self):
+        self.done = False
+        self.waited = 0
+
+    def record(self, stream):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited += 1
+        self.done = True
+
+
+class _CpuPending(guard._PendingRepairs):
+    _new_event = staticmethod(_FakeEvent)
+    _stream = staticmethod(lambda device: None)
+
+    @staticmethod
+    def _host_buffer():
+        return torch.zeros(guard.FLAG_SLOTS, dtype=torch.int32)
+
+
+def test_deferred_backward_flags_are_settled_in_order(faulty, monkeypatch):
+    """The device-side repair's flags (CPU stand-ins for the pinned copy and its event): nothing
+    is counted before the copy arrives; then events, repaired rows, one warning and the dump
+    (bad outputs recomputed) follow; a happy call counts nothing; more than MAX_PENDING calls
+    wait for the oldest only; a repair that stayed nonfinite raises when settled."""
+    pending = _CpuPending()
+    monkeypatch.setattr(guard, "_pending", pending)
+    faulty.dq_rows = [(0, 1)]
+    q, kv, idx, g = _inputs()
+    call = (faulty, q.detach(), (kv.detach(), idx), idx.shape[-1], None, None, g, 0.4, 8)
+
+    def flags(nonfinite, still=0, rows=0, kv_rows=0):
+        f = torch.zeros(guard.FLAG_SLOTS, dtype=torch.int32)
+        f[1], f[2], f[3], f[4] = nonfinite, still, rows, kv_rows
+        return f
+
+    pending.push(flags(1, rows=1, kv_rows=2), call)
+    assert guard._stats.events == 0  # the copy has not arrived
+    pending.push(flags(0), call)
+    pending._queue[0][2].done = pending._queue[1][2].done = True
+    with pytest.warns(RuntimeWarning, match="repaired"):
+        pending.settle()
+    assert (guard._stats.events, guard._stats.rows_repaired, guard._stats.kv_rows_repaired) == (1, 1, 2)
+    dump = torch.load(guard._stats.dumps[0], weights_only=False)
+    assert dump["bad_outputs_recomputed"] and torch.isnan(dump["bad_outputs"]["dq"][0, 1]).any()
+    assert not pending._queue and len(pending._spare[torch.device("cpu")]) == 2  # buffers reused
+    # MAX_PENDING + 1 unsettled calls: only the oldest is waited for
+    for _ in range(pending.MAX_PENDING + 1):
+        pending.push(flags(0), call)
+    waited = [e.waited for _, _, e, _ in pending._queue]
+    assert len(pending._queue) == pending.MAX_PENDING and waited == [0] * pending.MAX_PENDING
+    pending.settle(wait_all=True)
+    assert guard._stats.events == 1 and not pending._queue
+    pending.push(flags(1, still=1, rows=1), call)
+    with pytest.raises(FloatingPointError, match="even in the reference repair"):
+        pending.settle(wait_all=True)

@@ -363,12 +363,19 @@ class _PendingRepairs:
         self._queue: list[tuple] = []
         self._spare: dict[torch.device, list[tuple]] = {}  # per device: (pinned int32 [FLAG_SLOTS], event)
 
+    # where the flags go and how their arrival is tracked (a CPU test replaces these three)
+    @staticmethod
+    def _host_buffer() -> torch.Tensor:
+        return torch.empty(FLAG_SLOTS, dtype=torch.int32, pin_memory=True)
+
+    _new_event = staticmethod(torch.cuda.Event)
+    _stream = staticmethod(torch.cuda.current_stream)
+
     def push(self, flags: torch.Tensor, call: tuple) -> None:
         spare = self._spare.setdefault(flags.device, [])
-        host, event = spare.pop() if spare else (
-            torch.empty(FLAG_SLOTS, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+        host, event = spare.pop() if spare else (self._host_buffer(), self._new_event())
         host.copy_(flags, non_blocking=True)
-        event.record(torch.cuda.current_stream(flags.device))
+        event.record(self._stream(flags.device))
         self._queue.append((flags.device, host, event, call))
         if len(self._queue) > self.MAX_PENDING:
             self._queue[0][2].synchronize()
