@@ -1,6 +1,7 @@
 """Forward variants on the H200: the default (16-row head tiles, direct gathers of the rewritten
-indices, 4 launches bucketed by row extent), one launch, and 64-row tiles in 8 single-stage
-buckets (``fwd_buckets_64=8``, and ``"auto"``: chosen per call from row counts). Each is checked row by row against the reference on the
+indices, 4 launches bucketed by row extent; 64-row tiles planned per call from row counts,
+``fwd_buckets_64="auto"``), one launch, and 64-row tiles always in 8 single-stage buckets
+(``fwd_buckets_64=8``). Each is checked row by row against the reference on the
 configurations that once failed (wrong rows 8..15 of 16-row tiles, 32-row tiles at topk 192) and
 on causal W2-like rows whose extents fall in every bucket, then timed: W2 H8/16/64 and W1 H64
 (fix cost vs safe=False)."""
@@ -41,10 +42,10 @@ cases = [(1, 200, 512, 32, 2, 192, 512), (1, 200, 512, 16, 1, 192, 512), (1, 160
 T = 4096
 w2 = w2_indices(T, 2048, torch.Generator(device="cuda").manual_seed(0))[None]
 w1 = w1_indices(T, 8192, 2048, torch.Generator(device="cuda").manual_seed(0))[None]
-variants = {"default": TileLangBackend(), "1 launch": TileLangBackend(fwd_buckets=1),
+variants = {"default (H64 plan from row counts)": TileLangBackend(),
+            "1 launch": TileLangBackend(fwd_buckets=1, fwd_buckets_64=1),
             "H64 single-stage, 8 buckets": TileLangBackend(fwd_buckets_64=8),
-            "H64 plan from row counts": TileLangBackend(fwd_buckets_64="auto"),
-            "unsafe": TileLangBackend(safe=False, fwd_buckets=1)}
+            "unsafe": TileLangBackend(safe=False, fwd_buckets=1, fwd_buckets_64=1)}
 
 
 def warm(job):  # compile every kernel up front, nvcc runs in parallel

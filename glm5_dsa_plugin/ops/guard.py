@@ -257,7 +257,6 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
     index-rule flag during the call and it is read in the same host read as the finiteness flag;
     a violation raises the usual SparseMLAInputError (naming the first bad entry) instead of returning."""
     check = _cfg.policy != "off" and backend.name != "reference"
-    _pending.settle()
     flags = _new_flags(q.device) if (check or defer_index_check) else None
     out, lse, saved = _forward(backend, q, kv, indices, sm_scale, d_v, flags[0:1] if defer_index_check else None)
     if flags is None:
@@ -265,7 +264,7 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
     if check:
         _flag_nonfinite(flags, 1, out, lse)
     bad_index, nonfinite = _read(flags)[:2]  # the one host read
-    _pending.settle()
+    _pending.settle()  # earlier backwards' flags have arrived by now
     if bad_index:
         check_indices(indices, kv.shape[1])
         raise SparseMLAInputError("sparse_mla: indices hold an entry outside {-1} U [0, T_kv)")
@@ -309,7 +308,6 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
     """Backward from the forward's ``saved`` tensors (``topk``: the caller's indices width)."""
     if _cfg.policy == "off" or backend.name == "reference":
         return _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, None)
-    _pending.settle()
     flags = _new_flags(q.device)
     dq, dkv = _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, flags)
     _stats.calls_checked += 1

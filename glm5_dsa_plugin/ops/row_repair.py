@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import _has_nonfinite
+from .triton_helpers import _any_nonfinite, _has_nonfinite
 
 HEADS_PER_PROGRAM = 16  # rows of each tl.dot (its minimum M)
 SLOTS_PER_STEP = 32
@@ -55,8 +55,7 @@ def _row_has_nonfinite(X, r, ROW: tl.constexpr, BLOCK: tl.constexpr):
     """1 if row r of X (rows of ROW contiguous elements) holds NaN/inf, else 0."""
     bad = 0
     for c in range(0, ROW, BLOCK):
-        offs = c + tl.arange(0, BLOCK)
-        bad = tl.maximum(bad, _has_nonfinite(tl.load(X + r * ROW + offs, mask=offs < ROW, other=0.0)))
+        bad = tl.maximum(bad, _any_nonfinite(X + r * ROW, c, ROW, BLOCK))
     return bad
 
 
@@ -131,6 +130,13 @@ def _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V: tl.constexpr, 
 
 
 @triton.jit
+def _scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16: tl.constexpr, PREC: tl.constexpr):
+    """sm_scale * q . k for one slot block -> [HB, BS] fp32, -inf at invalid slots."""
+    s = (_mm(q_v, tl.trans(k_v), BF16, PREC) + _mm(q_t, tl.trans(k_t), BF16, PREC)) * sm_scale
+    return tl.where(valid[None, :], s, float("-inf"))
+
+
+@triton.jit
 def _repair_query_rows(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, n_rows, T, T_kv, H: tl.constexpr, HG: tl.constexpr,
                        G: tl.constexpr, K: tl.constexpr, sm_scale,
                        s_kb, s_ks, s_kg, s_ib, s_it, s_ig,
@@ -186,8 +192,7 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
         l_i = tl.zeros([HB], tl.float32)
         for s0 in range(0, K, BS):
             valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
-            s = (_mm(q_v, tl.trans(k_v), BF16, PREC) + _mm(q_t, tl.trans(k_t), BF16, PREC)) * sm_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
+            s = _scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
@@ -198,8 +203,7 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
         delta = tl.zeros([HB], tl.float32)
         for s0 in range(0, K, BS):
             valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
-            s = (_mm(q_v, tl.trans(k_v), BF16, PREC) + _mm(q_t, tl.trans(k_t), BF16, PREC)) * sm_scale
-            p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
+            p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - lse[:, None])  # 0 where invalid
             dp = _mm(do, tl.trans(k_v), BF16, PREC)
             delta += tl.sum(p * dp, 1)
         # pass 3: dS, dq, and the contributions to bad kv rows
@@ -207,8 +211,7 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
         dq_t = tl.zeros([HB, BT], tl.float32)
         for s0 in range(0, K, BS):
             valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
-            s = (_mm(q_v, tl.trans(k_v), BF16, PREC) + _mm(q_t, tl.trans(k_t), BF16, PREC)) * sm_scale
-            p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
+            p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - lse[:, None])  # 0 where invalid
             dp = _mm(do, tl.trans(k_v), BF16, PREC)
             ds = p * (dp - delta[:, None]) * sm_scale
             dq_v += _mm(ds, k_v, BF16, PREC)

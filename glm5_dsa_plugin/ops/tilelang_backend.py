@@ -252,11 +252,8 @@ class TileLangBackend:
     def originals(self, saved, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, indices) back from :meth:`save`'s tensors (the guard's reference repair); slots the
         rewrite sent to the sentinel read as -1 (the same as the kernels treat them)."""
-        kv_k, idx, _ = saved
-        if not self.safe:
-            return kv_k, idx[..., :topk]
-        n_kv = kv_k.shape[1] - 1
-        return kv_k[:, :n_kv], torch.where(idx[..., :topk] == n_kv, -1, idx[..., :topk])
+        kv, idx = self.padded_views(saved, topk)
+        return (kv, torch.where(idx == kv.shape[1], -1, idx)) if self.safe else (kv, idx)
 
     def padded_views(self, saved, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, indices) as views of :meth:`save`'s tensors, no copy and no launch: a slot is valid
@@ -280,12 +277,9 @@ class TileLangBackend:
 
     def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
         """-> (out, lse, saved): ``saved`` (from :meth:`save`) is what :meth:`backward_saved` needs."""
-        from .tilelang_kernels import BLOCK_TOPK
-
         self._check(q, kv, d_v)
         G, hg, hg_pad = self._geometry(q, kv, self.fwd_min_heads)
-        small = hg_pad == 16
-        block = self.fwd_block_16 if small else BLOCK_TOPK
+        block = self._fwd_block(hg_pad)
         n_blocks = padded_topk(indices.shape[-1]) // block
         buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
         saved = self.save(kv, indices, index_flag, block_counts=counts, block=block)
@@ -301,16 +295,22 @@ class TileLangBackend:
             last.record(counts)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
 
+    def _fwd_block(self, hg_pad: int) -> int:
+        """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``."""
+        from .tilelang_kernels import BLOCK_TOPK
+
+        return self.fwd_block_16 if hg_pad == 16 else BLOCK_TOPK
+
     def forward_kernels(self, Hp: int, d_v: int, d_tail: int, k_pad: int, G: int, sm_scale: float, hg_pad: int,
                         buckets_64: int, target: str | None = None) -> list:
         """The forward's kernels for one launch plan (``forward_launches``), in launch order.
         The first time a plan is asked for, its kernels are built in parallel threads (TileLang
         compiles outside the GIL): the call that first switches a shape to 8 single-stage row
         buckets builds them at once, not one after another. ``target``: build only (CPU tests)."""
-        from .tilelang_kernels import BLOCK_TOPK, sparse_mla_fwd_kernel
+        from .tilelang_kernels import sparse_mla_fwd_kernel
 
         small = hg_pad == 16
-        block = self.fwd_block_16 if small else BLOCK_TOPK
+        block = self._fwd_block(hg_pad)
         n_blocks = k_pad // block
         plan = forward_launches(hg_pad, n_blocks, self.fwd_buckets, buckets_64)
 
