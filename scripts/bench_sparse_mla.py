@@ -57,6 +57,16 @@ def make_impls(has_mcore):
         impls["ours_2stage64"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_2stage64")
     except Exception as exc:  # noqa: BLE001 - an option failing to build is a result, not a crash
         print(f"bucket precompile / ours_2stage64 unavailable: {type(exc).__name__}: {exc}")
+    # < 64 heads: the default runs row groups (R = 64 / hg rows per block over their keys' union);
+    # "ours_r1" is one query row per block, the previous default, in the same run
+    try:
+        from glm5_dsa_plugin.ops.backends import register_backend
+        from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+        register_backend("tilelang_r1", lambda: TileLangBackend(row_groups=False), replace=True)
+        impls["ours_r1"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_r1")
+    except Exception as exc:  # noqa: BLE001
+        print(f"ours_r1 unavailable: {type(exc).__name__}: {exc}")
     if has_mcore:
         from megatron.core.transformer.experimental_attention_variant.ops.sparse_mla import SparseMLA
 
@@ -192,6 +202,8 @@ def main():
     ap.add_argument("--host-profile", action="store_true", help="also write $OUT/host_profile.txt (cProfile)")
     ap.add_argument("--guard-only", action="store_true",
                     help="only the guard's overhead and repair cost (writes bench_sparse_mla_guard.json)")
+    ap.add_argument("--kernels-only", action="store_true",
+                    help="only the workload rows (writes bench_sparse_mla_kernels.json)")
     args = ap.parse_args()
 
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -210,6 +222,15 @@ def main():
         idx = w1_indices(T, T_kv, 2048, gen) if wl == "W1" else w2_indices(T, 2048, gen)
         n_valid = int((idx >= 0).sum())
         extra[f"{wl}_validate_ms"] = bench(lambda: check_indices(idx[None], T_kv))
+        from glm5_dsa_plugin.ops.row_groups import group_keys
+        from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
+
+        kidx, _ = prepare_indices(idx[None], T_kv, 2048)
+        for R in (8, 4):  # the row groups' key lists (part of every H8 / H16 call)
+            keys, _, ext = group_keys(kidx, T_kv, R)
+            extra[f"{wl}_group_keys_ms_R={R}"] = bench(lambda: group_keys(kidx, T_kv, R))
+            extra[f"{wl}_group_entries_per_row_R={R}"] = float(ext.float().sum()) / T
+        extra[f"{wl}_valid_slots_per_row"] = float((idx >= 0).sum()) / T
         for H in [int(h) for h in args.heads.split(",")]:
             q = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
             kv = torch.randn(T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -219,7 +240,7 @@ def main():
             for name, fn in impls.items():
                 if name == "reference" and (wl, str(H)) not in ref_pairs:
                     continue
-                if name == "ours_2stage64" and H != 64:
+                if name == "ours_2stage64" and H != 64 or name == "ours_r1" and H >= 64:
                     continue
                 qq, kk = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
 
@@ -267,7 +288,7 @@ def main():
                     if r["workload"] == wl and r["H"] == H and r["impl"] == "ours":
                         r["rel_l2_vs_reference"] = errs
         # what the fixes cost: same kernels, fixes compiled out (fully valid W1 only)
-        if wl == "W1":
+        if wl == "W1" and not args.kernels_only:
             from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
             for safe in (True, False):
@@ -280,80 +301,82 @@ def main():
                 extra[f"W1_H64_kernel_fwd_ms_safe={safe}"] = bench(lambda: be.forward(q, kv, idx[None], SCALE, D_V))
                 extra[f"W1_H64_kernel_bwd_ms_safe={safe}"] = bench(
                     lambda: be.backward(q, kv, idx[None], o, l, g, SCALE, D_V))
-    # guard overhead at W2 H64
-    idx = w2_indices(4096, 2048, gen)
-    q = torch.randn(4096, 64, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    kv = torch.randn(4096, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(4096, 64, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
-    for validate in (True, False):
-        def step():
+    indexer_rows = []
+    if not args.kernels_only:  # guard, deterministic, host time, repair cost, indexer
+        # guard overhead at W2 H64
+        idx = w2_indices(4096, 2048, gen)
+        q = torch.randn(4096, 64, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(4096, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(4096, 64, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for validate in (True, False):
+            def step():
+                q.grad = kv.grad = None
+                sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang", validate=validate)[0].backward(grad)
+
+            # off and fallback alternate, 5 rounds, median of the rounds (drift hits both alike)
+            times = {"off": [], "fallback": []}
+            for _ in range(5):
+                for pol in times:
+                    configure(policy=pol)
+                    times[pol].append(bench(step, 5, 40))
+            for pol, ts in times.items():
+                extra[f"W2_H64_fwd_bwd_ms_guard={pol}" + ("" if validate else "_novalidate")] = statistics.median(ts)
+            if validate:  # where the GPU idles, per policy (profiled calls, so slower than the timings)
+                for pol in times:
+                    configure(policy=pol)
+                    idle, gaps = gpu_idle(step)
+                    extra[f"W2_H64_gpu_idle_us_per_call_guard={pol}"] = idle
+                    extra[f"W2_H64_largest_gaps_us_guard={pol}"] = gaps
+        configure(policy="fallback")
+        # the guard's GPU work alone: one finiteness launch per direction (W2 H64 out+lse, dq+dkv)
+        from glm5_dsa_plugin.ops.triton_helpers import flag_nonfinite
+
+        flags = torch.zeros(2, dtype=torch.int32, device="cuda")
+        o_, l_ = sparse_mla(q.detach(), kv.detach(), idx, SCALE, d_v=D_V, backend="tilelang")
+        extra["W2_H64_guard_scan_fwd_ms"] = bench(lambda: flag_nonfinite(o_, flags, 1, l_))
+        dq_, dkv_ = torch.randn_like(q), torch.randn_like(kv)
+        extra["W2_H64_guard_scan_bwd_ms"] = bench(lambda: flag_nonfinite(dq_, flags, 1, dkv_))
+        extra["host_sync_us"] = bench(lambda: flags.tolist()) * 1e3
+        del o_, l_, dq_, dkv_
+
+        # deterministic backward (dKV reduced per kv row in a fixed order): cost and 5-run reproducibility
+        def step_det():
             q.grad = kv.grad = None
-            sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang", validate=validate)[0].backward(grad)
+            sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang", deterministic=True)[0].backward(grad)
+            return q.grad.clone(), kv.grad.clone()
 
-        # off and fallback alternate, 5 rounds, median of the rounds (drift hits both alike)
-        times = {"off": [], "fallback": []}
-        for _ in range(5):
-            for pol in times:
-                configure(policy=pol)
-                times[pol].append(bench(step, 5, 40))
-        for pol, ts in times.items():
-            extra[f"W2_H64_fwd_bwd_ms_guard={pol}" + ("" if validate else "_novalidate")] = statistics.median(ts)
-        if validate:  # where the GPU idles, per policy (profiled calls, so slower than the timings)
-            for pol in times:
-                configure(policy=pol)
-                idle, gaps = gpu_idle(step)
-                extra[f"W2_H64_gpu_idle_us_per_call_guard={pol}"] = idle
-                extra[f"W2_H64_largest_gaps_us_guard={pol}"] = gaps
-    configure(policy="fallback")
-    # the guard's GPU work alone: one finiteness launch per direction (W2 H64 out+lse, dq+dkv)
-    from glm5_dsa_plugin.ops.triton_helpers import flag_nonfinite
+        try:
+            if args.guard_only:
+                raise RuntimeError("skipped (--guard-only)")
+            first = step_det()
+            extra["W2_H64_deterministic_bitwise_5_runs"] = all(
+                torch.equal(a, b) for _ in range(4) for a, b in zip(step_det(), first))
+            extra["W2_H64_fwd_bwd_ms_deterministic"] = bench(step_det, 5, 20)
+        except Exception as exc:  # noqa: BLE001
+            extra["deterministic_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
 
-    flags = torch.zeros(2, dtype=torch.int32, device="cuda")
-    o_, l_ = sparse_mla(q.detach(), kv.detach(), idx, SCALE, d_v=D_V, backend="tilelang")
-    extra["W2_H64_guard_scan_fwd_ms"] = bench(lambda: flag_nonfinite(o_, flags, 1, l_))
-    dq_, dkv_ = torch.randn_like(q), torch.randn_like(kv)
-    extra["W2_H64_guard_scan_bwd_ms"] = bench(lambda: flag_nonfinite(dq_, flags, 1, dkv_))
-    extra["host_sync_us"] = bench(lambda: flags.tolist()) * 1e3
-    del o_, l_, dq_, dkv_
+        # host time per call (tiny problem, so the GPU never waits on itself): what a host sync exposes
+        import time
 
-    # deterministic backward (dKV reduced per kv row in a fixed order): cost and 5-run reproducibility
-    def step_det():
-        q.grad = kv.grad = None
-        sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang", deterministic=True)[0].backward(grad)
-        return q.grad.clone(), kv.grad.clone()
+        tq = torch.randn(64, 64, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        tkv = torch.randn(64, 1, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        tidx = torch.randint(-1, 64, (64, 1, 64), device="cuda", dtype=torch.int32)
+        tg = torch.randn(64, 64, D_V, device="cuda", dtype=torch.bfloat16)
+        for label, fn in () if args.guard_only else (("fwd", lambda: sparse_mla(tq.detach(), tkv.detach(), tidx, SCALE, backend="tilelang")),
+                          ("fwd_bwd", lambda: sparse_mla(tq, tkv, tidx, SCALE, backend="tilelang")[0].backward(tg))):
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            torch.cuda.synchronize()
+            extra[f"host_us_per_call_{label}"] = (time.perf_counter() - t0) / 200 * 1e6
+        if args.host_profile:
+            write_host_profile(tq, tkv, tidx, tg, os.path.join(args.out, "host_profile.txt"))
 
-    try:
-        if args.guard_only:
-            raise RuntimeError("skipped (--guard-only)")
-        first = step_det()
-        extra["W2_H64_deterministic_bitwise_5_runs"] = all(
-            torch.equal(a, b) for _ in range(4) for a, b in zip(step_det(), first))
-        extra["W2_H64_fwd_bwd_ms_deterministic"] = bench(step_det, 5, 20)
-    except Exception as exc:  # noqa: BLE001
-        extra["deterministic_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-
-    # host time per call (tiny problem, so the GPU never waits on itself): what a host sync exposes
-    import time
-
-    tq = torch.randn(64, 64, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    tkv = torch.randn(64, 1, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    tidx = torch.randint(-1, 64, (64, 1, 64), device="cuda", dtype=torch.int32)
-    tg = torch.randn(64, 64, D_V, device="cuda", dtype=torch.bfloat16)
-    for label, fn in () if args.guard_only else (("fwd", lambda: sparse_mla(tq.detach(), tkv.detach(), tidx, SCALE, backend="tilelang")),
-                      ("fwd_bwd", lambda: sparse_mla(tq, tkv, tidx, SCALE, backend="tilelang")[0].backward(tg))):
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        extra[f"host_us_per_call_{label}"] = (time.perf_counter() - t0) / 200 * 1e6
-    if args.host_profile:
-        write_host_profile(tq, tkv, tidx, tg, os.path.join(args.out, "host_profile.txt"))
-
-    extra.update(guard_repair_cost(gen))
-    indexer_rows = [] if args.guard_only else indexer_speed(gen, args.indexer_lengths)
+        extra.update(guard_repair_cost(gen))
+        indexer_rows = [] if args.guard_only else indexer_speed(gen, args.indexer_lengths)
 
     import importlib.metadata as md
 
@@ -370,7 +393,8 @@ def main():
         rows=rows, extra=extra, indexer_rows=indexer_rows,
     )
     os.makedirs(args.out, exist_ok=True)
-    name = "bench_sparse_mla_guard.json" if args.guard_only else "bench_sparse_mla.json"
+    name = ("bench_sparse_mla_guard.json" if args.guard_only else
+            "bench_sparse_mla_kernels.json" if args.kernels_only else "bench_sparse_mla.json")
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
     try:

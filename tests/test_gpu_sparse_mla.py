@@ -121,25 +121,29 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
     assert torch.equal(dq1, dq2)  # dkv uses atomics: order-dependent, compared in the other tests
 
 
-@pytest.mark.parametrize("H,K,buckets_64", [(64, 128, 1), (16, 512, 1), (64, 512, 8)])
-def test_nan_guard_regions_untouched(H, K, buckets_64):
+@pytest.mark.parametrize("H,K,buckets_64,R", [(64, 128, 1, 1), (16, 512, 1, 1), (64, 512, 8, 1), (16, 512, 1, 4),
+                                              (8, 256, 1, 8)])
+def test_nan_guard_regions_untouched(H, K, buckets_64, R):
     """Every buffer the kernels touch sits inside NaN-filled guard regions (safe-memory pass off):
     results finite and exact, every guard element unchanged after forward and backward. The
     forward runs the backend's own launch plan (H=16, topk 512: four row buckets; H=64 with
-    ``fwd_buckets_64=8``: eight single-stage buckets)."""
+    ``fwd_buckets_64=8``: eight single-stage buckets), or R > 1: the row-group kernels over
+    ``group_keys`` lists, with a last group that runs past the sequence (T = 301)."""
+    from glm5_dsa_plugin.ops.row_groups import group_keys
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, forward_launches
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
     from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    T, T_kv, D, GUARD = 300, 257, 576, 1 << 16
+    T, T_kv, D, GUARD = 300 if R == 1 else 301, 257, 576, 1 << 16
     be = TileLangBackend(fwd_buckets_64=buckets_64)
-    plan = forward_launches(H, K // 64, be.fwd_buckets, be.fwd_buckets_64)
-    assert len(plan) == (buckets_64 if H == 64 else 4)
+    plan = forward_launches(H, K // 64, be.fwd_buckets, be.fwd_buckets_64) if R == 1 else [(0, R * K // 64, 1)]
+    assert len(plan) == (buckets_64 if H == 64 else 4 if R == 1 else 1)
 
     def guarded(shape, dtype, fill=None):
         n = torch.Size(shape).numel()
-        buf = torch.full((GUARD + n + GUARD,), float("nan"), device="cuda", dtype=dtype)
+        poison = float("nan") if dtype.is_floating_point else -(2**31)  # an int read outside faults
+        buf = torch.full((GUARD + n + GUARD,), poison, device="cuda", dtype=dtype)
         inner = buf[GUARD : GUARD + n].view(shape)
         if fill is not None:
             inner.copy_(fill)
@@ -162,15 +166,21 @@ def test_nan_guard_regions_untouched(H, K, buckets_64):
     out_buf, out = guarded((1, T, H, 512), torch.bfloat16)
     lse_buf, lse = guarded((1, T, H), torch.float32)
     kidx, extent = prepare_indices(idx, T_kv, K)  # the backend's rewrite: values in [0, T_kv]
+    members = kidx  # not read with R = 1
+    if R > 1:  # the row groups' lists, each inside its own guard region
+        lists = group_keys(kidx, T_kv, R)
+        (_, kidx), (_, members), (_, extent) = (guarded(x.shape, x.dtype, x) for x in lists)
     # the forward as the backend runs it: direct gathers of the rewritten indices, its launch plan
     for lo, hi, stages in plan:
         sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE, select_in_kernel=False, num_stages=stages,
-                              blocks=None if (lo, hi) == (0, K // 64) else (lo, hi))(q, kv, kidx, extent, out, lse)
+                              blocks=None if (lo, hi) == (0, R * K // 64) else (lo, hi),
+                              rows_per_block=R)(q, kv, kidx, extent, members, out, lse)
     dq_buf, dq = guarded((1, T, H, D), torch.bfloat16)
     dkv_buf, dkv = guarded((1, T_kv + 1, 1, D), torch.float32, torch.zeros(1, T_kv + 1, 1, D, device="cuda"))
     do = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     # the backward reads out (for Delta) inside its guard region too
-    sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE)(q, kv, do, kidx, lse, out, extent, dq, dkv)
+    sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R)(q, kv, do, kidx, lse, out, extent, members,
+                                                                     dq, dkv)
     torch.cuda.synchronize()
     for name, buf, inner in (("kv", kv_buf, kv), ("out", out_buf, out), ("lse", lse_buf, lse),
                              ("dq", dq_buf, dq), ("dkv", dkv_buf, dkv)):

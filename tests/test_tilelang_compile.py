@@ -100,3 +100,22 @@ def test_small_head_forward_has_a_barrier_before_the_p_tile_write(heads):
     for i in writes:
         assert lines[i - 1] == "__syncthreads();", lines[i - 1]
 
+
+
+@pytest.mark.parametrize("hg,kv_group", [(8, 1), (16, 1), (32, 1), (8, 2)])
+def test_row_group_kernels_build_and_fit(hg, kv_group):
+    """Fewer than 64 heads per group: the backend's row-group kernels (R = 64 / hg rows per block)
+    build for sm_90, fit in shared memory, keep the dKV vector atomics and read the member bits."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel
+
+    be = TileLangBackend()
+    hg_pad, R = be.rows_per_block(hg)
+    assert R * hg_pad == 64 and R > 1
+    heads = hg_pad * kv_group
+    (fwd,) = be.forward_kernels(heads, 512, 64, 2048, kv_group, 256**-0.5, hg_pad, 1, target=SM90, rows_per_block=R)
+    bwd = sparse_mla_bwd_kernel(heads, 512, 64, 2048, kv_group, 256**-0.5, target=SM90, rows_per_block=R)
+    for k in (fwd, bwd):
+        assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM
+        assert "Members" in k.get_kernel_source()
+    assert "AtomicAddx4" in bwd.get_kernel_source()

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .contract import SparseMLAInputError
+from .row_groups import group_keys
 from .triton_helpers import finish_backward, prepare_indices
 
 MIN_CAPABILITY = (9, 0)
@@ -179,7 +180,8 @@ class TileLangBackend:
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = "auto"):
+                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = "auto",
+                 row_groups: bool = True):
         if fwd_block_16 not in (32, 64):
             raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
         if fwd_buckets_64 != "auto" and not (isinstance(fwd_buckets_64, int) and fwd_buckets_64 >= 1):
@@ -200,6 +202,9 @@ class TileLangBackend:
         # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
         self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
         self.fwd_min_heads = fwd_min_heads
+        # fewer than 64 heads per kv group: blocks of R = 64 / hg consecutive query rows over the
+        # union of their keys (``row_groups``); not with deterministic or safe=False
+        self.row_groups = row_groups
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
 
@@ -259,7 +264,7 @@ class TileLangBackend:
         """(kv, indices) as views of :meth:`save`'s tensors, no copy and no launch: a slot is valid
         iff 0 <= index < T_kv (the rewrite's sentinel T_kv reads as padding, like -1). What the
         guard's device-side repair reads (``row_repair``)."""
-        kv_k, idx, _ = saved
+        kv_k, idx = saved[:2]
         if not self.safe:
             return kv_k, idx[..., :topk]
         return kv_k[:, : kv_k.shape[1] - 1], idx[..., :topk]
@@ -268,6 +273,14 @@ class TileLangBackend:
         H, G = q.shape[2], kv.shape[2]
         hg = H // G
         return G, hg, padded_heads_per_group(hg, minimum)
+
+    def rows_per_block(self, hg: int) -> tuple[int, int]:
+        """(padded heads per group, R): R > 1 consecutive query rows share a block when hg < 64
+        (hg padded to 8, 16 or 32; R * hg_pad = 64, see ``row_groups.group_keys``), else R = 1."""
+        if not self.row_groups or hg >= 64 or self.deterministic or not self.safe:
+            return padded_heads_per_group(hg, self.fwd_min_heads), 1
+        hg_pad = padded_heads_per_group(hg, 8)
+        return hg_pad, 64 // hg_pad
 
     def forward(self, q, kv, indices, sm_scale, d_v, index_flag=None):
         """As the Backend protocol; ``index_flag`` (int32 [1], device): set to nonzero when some
@@ -278,37 +291,47 @@ class TileLangBackend:
     def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
         """-> (out, lse, saved): ``saved`` (from :meth:`save`) is what :meth:`backward_saved` needs."""
         self._check(q, kv, d_v)
-        G, hg, hg_pad = self._geometry(q, kv, self.fwd_min_heads)
-        block = self._fwd_block(hg_pad)
+        G, hg = kv.shape[2], q.shape[2] // kv.shape[2]
+        hg_pad, R = self.rows_per_block(hg)
+        block = self._fwd_block(hg_pad, R)
         n_blocks = padded_topk(indices.shape[-1]) // block
         buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
         saved = self.save(kv, indices, index_flag, block_counts=counts, block=block)
         kv_k, idx, extent = saved
+        if R > 1:
+            saved = saved + group_keys(idx, kv.shape[1], R)
+        keys, ext, members = (saved[3], saved[5], saved[4]) if R > 1 else (idx, extent, idx)
         qp = _pad_heads(q, G, hg, hg_pad)
         B, T, Hp, Dqk = qp.shape
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
         if T > 0:
-            for kernel in self.forward_kernels(Hp, d_v, Dqk - d_v, idx.shape[-1], G, sm_scale, hg_pad, buckets_64):
-                kernel(qp, kv_k, idx, extent, out, lse)
+            for kernel in self.forward_kernels(Hp, d_v, Dqk - d_v, idx.shape[-1], G, sm_scale, hg_pad, buckets_64,
+                                               rows_per_block=R):
+                kernel(qp, kv_k, keys, ext, members, out, lse)
         if last is not None:
             last.record(counts)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
 
-    def _fwd_block(self, hg_pad: int) -> int:
+    def _fwd_block(self, hg_pad: int, rows_per_block: int = 1) -> int:
         """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``."""
         from .tilelang_kernels import BLOCK_TOPK
 
-        return self.fwd_block_16 if hg_pad == 16 else BLOCK_TOPK
+        return self.fwd_block_16 if hg_pad == 16 and rows_per_block == 1 else BLOCK_TOPK
 
     def forward_kernels(self, Hp: int, d_v: int, d_tail: int, k_pad: int, G: int, sm_scale: float, hg_pad: int,
-                        buckets_64: int, target: str | None = None) -> list:
+                        buckets_64: int, target: str | None = None, rows_per_block: int = 1) -> list:
         """The forward's kernels for one launch plan (``forward_launches``), in launch order.
         The first time a plan is asked for, its kernels are built in parallel threads (TileLang
         compiles outside the GIL): the call that first switches a shape to 8 single-stage row
-        buckets builds them at once, not one after another. ``target``: build only (CPU tests)."""
+        buckets builds them at once, not one after another. ``target``: build only (CPU tests).
+        ``rows_per_block`` > 1: one launch over every row group's own number of blocks."""
         from .tilelang_kernels import sparse_mla_fwd_kernel
 
+        if rows_per_block > 1:
+            return [sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self.safe, num_stages=1,
+                                          select_in_kernel=self.fwd_select_in_kernel, rows_per_block=rows_per_block,
+                                          **({} if target is None else {"target": target}))]
         small = hg_pad == 16
         block = self._fwd_block(hg_pad)
         n_blocks = k_pad // block
@@ -358,9 +381,13 @@ class TileLangBackend:
         from .tilelang_kernels import sparse_mla_bwd_kernel
 
         self._check(q, saved[0], d_v)
-        kv_k, idx, extent = saved
+        kv_k, idx, extent = saved[:3]
         n_kv = kv_k.shape[1] - 1 if self.safe else kv_k.shape[1]
         G, hg, hg_pad = self._geometry(q, kv_k, BWD_MIN_HEADS)
+        R = 1
+        if len(saved) > 3:  # the forward ran row groups (``rows_per_block``)
+            hg_pad, R = self.rows_per_block(hg)
+            assert R > 1, "saved row groups but this backend does not use them"
         if hg == hg_pad:  # (the common case: no padding ops on the host path)
             qp, dop, outp, lsep = q.contiguous(), grad_out.contiguous(), out.contiguous(), lse.contiguous()
         else:
@@ -371,11 +398,13 @@ class TileLangBackend:
             dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad,
                                                    sm_scale, d_v)
         else:
-            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe)
+            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
+                                           **({"rows_per_block": R} if R > 1 else {}))
+            keys, members, ext = saved[3:] if R > 1 else (idx, idx, extent)
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
             if T > 0:
-                kernel(qp, kv_k, dop, idx, lsep, outp, extent, dq, dkv)
+                kernel(qp, kv_k, dop, keys, lsep, outp, ext, members, dq, dkv)
         dq = _unpad_heads(dq, G, hg, hg_pad)
         return dq, finish_backward(dkv, n_kv, kv_k.dtype, dq, nonfinite_flag)
 
@@ -403,7 +432,7 @@ class TileLangBackend:
             idx_c = part(idx)
             slots = torch.empty(B, t1 - t0, G * nh, K, Dqk, dtype=torch.float32, device=dev)
             dq_c = torch.empty(B, t1 - t0, Hp, Dqk, dtype=qp.dtype, device=dev)
-            kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(outp), part(extent), dq_c, slots)
+            kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(outp), part(extent), idx_c, dq_c, slots)
             dq[:, t0:t1] = dq_c
             # slot (b, t, g*nh + hb, j) adds to kv row (b, idx[b, t, g, j], g)
             key = ((b_off + idx_c.long()) * G + g_off).unsqueeze(3).expand(B, t1 - t0, G, nh, K).reshape(-1)

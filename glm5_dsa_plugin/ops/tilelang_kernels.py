@@ -78,6 +78,41 @@ def in_bucket(n_blocks, lo, hi, n_all):
     return (n_blocks > lo) & (n_blocks <= hi)
 
 
+def row_group_geometry(hg: int, rows_per_block: int) -> tuple[int, int]:
+    """(tile rows, head tiles per group) for ``hg`` heads per kv group and R = ``rows_per_block``.
+    R = 1: the tile holds one query row's heads (``head_block``). R > 1 (small hg): it holds R
+    consecutive query rows' hg heads, R * hg = 64, tile row h = (row h // hg, head h % hg): the
+    rows attend the union of their keys (one gather and, in the backward, one dKV atomic per key
+    of the group instead of one per row), each row masked to its own keys by member bits."""
+    if rows_per_block == 1:
+        h_blk = head_block(hg)
+        assert hg % h_blk == 0 and h_blk >= 16
+        return h_blk, hg // h_blk
+    assert hg * rows_per_block == 64, (hg, rows_per_block)
+    return 64, 1
+
+
+def _row_group_access(R: int, hg: int):
+    """(load_rows, load_lse, attends) for the tile layout of ``row_group_geometry``:
+    load_rows(X, b, s, h0, h, d, S) reads X[b, row, head, d] for tile row h of block s (rows past
+    the sequence read zero), load_lse(Lse, b, s, h0, h, S) reads Lse[b, row, head] (rows past the
+    sequence read the last row's: their slots are all masked, P = 0); attends(valid, h, j) says
+    whether tile row h attends slot j (R = 1: valid[j] bool; R > 1: bit h // hg of valid[j])."""
+    if R == 1:
+        return (lambda X, b, s, h0, h, d, S: X[b, s, h0 + h, d],
+                lambda Lse, b, s, h0, h, S: Lse[b, s, h0 + h],
+                lambda valid, h, j: valid[j])
+
+    def load_rows(X, b, s, h0, h, d, S):
+        row = s * R + h // hg
+        return T.if_then_else(row < S, X[b, T.min(row, S - 1), h0 + h % hg, d], T.cast(0, X.dtype))
+
+    def load_lse(Lse, b, s, h0, h, S):
+        return Lse[b, T.min(s * R + h // hg, S - 1), h0 + h % hg]
+
+    return load_rows, load_lse, (lambda valid, h, j: ((valid[j] >> (h // hg)) & 1) == 1)
+
+
 def gather_row(idx, n_rows, select):
     """Row of the sentinel-extended kv that a slot reads. The host already rewrote invalid slots
     to the sentinel (row ``n_rows``); with ``select`` the kernel also maps any index outside
@@ -90,7 +125,8 @@ def gather_row(idx, n_rows, select):
 
 @functools.lru_cache(maxsize=None)
 def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_i=BLOCK_TOPK,
-                          num_stages=2, threads=256, target="cuda", select_in_kernel=True, blocks=None):
+                          num_stages=2, threads=256, target="cuda", select_in_kernel=True, blocks=None,
+                          rows_per_block=1):
     """Q [B,T,H,Dqk] bf16, KV [B,T_kv+1,G,Dqk] bf16 (last row zero; T_kv rows when not safe),
     Indices [B,T,G,topk] i32 (host-rewritten to [0, T_kv], T_kv = padding; -1 padding when not safe) -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log).
     Extent [B,T,G] i32: 1 + position of the row's last valid slot (0: none; see ``slot_blocks``).
@@ -98,37 +134,44 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     in bounds only because ``prepare_indices`` ran).
     ``blocks=(lo, hi)``: this launch handles only the rows needing more than ``lo`` and at most
     ``hi`` slot blocks, and runs ``hi`` of them (a static, pipelined loop): the host launches one
-    kernel per bucket so pure-padding tails are skipped (default: one launch, every block)."""
+    kernel per bucket so pure-padding tails are skipped (default: one launch, every block).
+    ``rows_per_block`` R > 1 (see ``row_group_geometry``): Indices/Extent are a row group's key
+    list [B, ceil(T/R), G, R*topk] and its length, plus Members [B, ceil(T/R), G, R*topk] i32
+    (bit r: row r of the group attends that entry); the loop runs the group's blocks only."""
+    R = rows_per_block
     assert topk % block_i == 0 and heads % kv_group == 0
     hg = heads // kv_group
-    h_blk = head_block(hg)
-    assert hg % h_blk == 0 and h_blk >= 16
-    rep = hg // h_blk
+    h_blk, rep = row_group_geometry(hg, R)
     D, DT, BI = d_v, d_tail, block_i
-    lo, NI = blocks or (0, topk // block_i)
-    assert 0 <= lo < NI <= topk // block_i
+    K = topk * R  # slots (R > 1: entries) per list
+    lo, NI = blocks or (0, K // block_i)
+    assert 0 <= lo < NI <= K // block_i and (R == 1 or blocks is None)
     scale2 = float(sm_scale) * LOG2E
     dtype, acc = T.bfloat16, T.float32
     B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
+    NG = S if R == 1 else T.dynamic("row_groups")
     n_kv = SKV1 - 1 if safe else SKV1  # real kv rows
     select = safe and select_in_kernel
+    assert R == 1 or safe
+    load_rows, _, attends = _row_group_access(R, hg)
 
     @T.prim_func
     def fwd(
         Q: T.Tensor([B, S, heads, D + DT], dtype),
         KV: T.Tensor([B, SKV1, kv_group, D + DT], dtype),
-        Indices: T.Tensor([B, S, kv_group, topk], T.int32),
-        Extent: T.Tensor([B, S, kv_group], T.int32),
+        Indices: T.Tensor([B, NG, kv_group, K], T.int32),
+        Extent: T.Tensor([B, NG, kv_group], T.int32),
+        Members: T.Tensor([B, NG, kv_group, K], T.int32),
         Out: T.Tensor([B, S, heads, D], dtype),
         Lse: T.Tensor([B, S, heads], acc),
     ):
-        with T.Kernel(S * rep, B, kv_group, threads=threads) as (bx, b, g):
+        with T.Kernel(NG * rep, B, kv_group, threads=threads) as (bx, b, g):
             q_s = T.alloc_shared([h_blk, D], dtype)
             qt_s = T.alloc_shared([h_blk, DT], dtype)
             kv_s = T.alloc_shared([BI, D], dtype)
             kt_s = T.alloc_shared([BI, DT], dtype)
             p_s = T.alloc_shared([h_blk, BI], dtype)
-            valid = T.alloc_fragment([BI], "bool")
+            valid = T.alloc_fragment([BI], "bool" if R == 1 else T.int32)  # R > 1: member bits
             acc_o = T.alloc_fragment([h_blk, D], acc)
             acc_s = T.alloc_fragment([h_blk, BI], acc)
             row_sum = T.alloc_fragment([h_blk], acc)
@@ -137,27 +180,28 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             m = T.alloc_fragment([h_blk], acc)
             m_prev = T.alloc_fragment([h_blk], acc)
 
-            s = bx // rep
-            if in_bucket(slot_blocks(Extent[b, s, g], BI), lo, NI, topk // BI):
+            s = bx // rep  # R > 1: the row group
+            if in_bucket(slot_blocks(Extent[b, s, g], BI), lo, NI, K // BI):
                 T.fill(acc_o, 0)
                 T.fill(row_sum, 0)
                 T.fill(m, _MASK_INIT)
                 h0 = g * hg + (bx % rep) * h_blk
                 for h, d in T.Parallel(h_blk, D):
-                    q_s[h, d] = Q[b, s, h0 + h, d]
+                    q_s[h, d] = load_rows(Q, b, s, h0, h, d, S)
                 for h, d in T.Parallel(h_blk, DT):
-                    qt_s[h, d] = Q[b, s, h0 + h, D + d]
+                    qt_s[h, d] = load_rows(Q, b, s, h0, h, D + d, S)
 
-                for i in T.Pipelined(NI, num_stages=num_stages):
+                for i in (T.Pipelined(NI, num_stages=num_stages) if R == 1
+                          else T.serial(T.min(slot_blocks(Extent[b, s, g], BI), NI))):
                     for j in T.Parallel(BI):
-                        valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv)
+                        valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv) if R == 1 else Members[b, s, g, i * BI + j]
                     for j, d in T.Parallel(BI, D):
                         kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, d]
                     for j, d in T.Parallel(BI, DT):
                         kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, D + d]
 
                     for h, j in T.Parallel(h_blk, BI):
-                        acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
+                        acc_s[h, j] = T.if_then_else(attends(valid, h, j), 0, -T.infinity(acc))
                     T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(m, m_prev)
@@ -196,10 +240,18 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                         acc_o[h, d] = acc_o[h, d] / row_sum[h]
                     for h in T.Parallel(h_blk):
                         row_sum[h] = (T.log2(row_sum[h]) + m[h] * scale2) * LN2
-                for h, d in T.Parallel(h_blk, D):
-                    Out[b, s, h0 + h, d] = acc_o[h, d]
-                for h in T.Parallel(h_blk):
-                    Lse[b, s, h0 + h] = row_sum[h]
+                if R == 1:
+                    for h, d in T.Parallel(h_blk, D):
+                        Out[b, s, h0 + h, d] = acc_o[h, d]
+                    for h in T.Parallel(h_blk):
+                        Lse[b, s, h0 + h] = row_sum[h]
+                else:
+                    for h, d in T.Parallel(h_blk, D):
+                        if s * R + h // hg < S:
+                            Out[b, s * R + h // hg, h0 + h % hg, d] = acc_o[h, d]
+                    for h in T.Parallel(h_blk):
+                        if s * R + h // hg < S:
+                            Lse[b, s * R + h // hg, h0 + h % hg] = row_sum[h]
 
 
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
@@ -207,7 +259,7 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 
 @functools.lru_cache(maxsize=None)
 def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_s=None, threads=256,
-                          target="cuda", dkv_per_slot=False):
+                          target="cuda", dkv_per_slot=False, rows_per_block=1):
     """Q [B,T,H,Dqk], KV [B,T_kv+1,G,Dqk] (as forward), dO [B,T,H,d_v] bf16, Indices [B,T,G,topk],
     Lse [B,T,H] f32 (natural), O [B,T,H,d_v] bf16 (the forward's out: each block computes its rows'
     Delta = rowsum(O*dO) itself, no preprocessing pass), Extent [B,T,G] i32 (as forward:
@@ -215,21 +267,26 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     -> dQ [B,T,H,Dqk] bf16 (written), dKV [B,T_kv+1,G,Dqk] f32 (accumulated atomically; caller zeroes).
     ``dkv_per_slot`` (deterministic mode): no atomics; instead dKV [B,T,G*nh,topk,Dqk] f32 receives each
     slot's contribution from each head block (nh = head blocks per group), written for the processed
-    blocks only; the host reduces it per kv row in a fixed order."""
-    assert heads % kv_group == 0
+    blocks only; the host reduces it per kv row in a fixed order.
+    ``rows_per_block`` R > 1: as the forward (Indices/Extent/Members per row group; one dKV atomic
+    per key of the group); not with ``dkv_per_slot``."""
+    R = rows_per_block
+    assert heads % kv_group == 0 and (R == 1 or (safe and not dkv_per_slot))
     hg = heads // kv_group
-    h_blk = head_block(hg)
-    nh = hg // h_blk
-    BS = block_s or bwd_block_slots(hg)
-    assert topk % BS == 0
-    D, DT, NS = d_v, d_tail, topk // BS
+    h_blk, nh = row_group_geometry(hg, R)
+    BS = block_s or bwd_block_slots(h_blk)
+    K = topk * R
+    assert K % BS == 0
+    D, DT, NS = d_v, d_tail, K // BS
     split = BS // 16  # dKV staged 16 slot rows at a time
-    R = BS // split
+    SR = BS // split
     scale, scale2 = float(sm_scale), float(sm_scale) * LOG2E
     dtype, acc = T.bfloat16, T.float32
     B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
+    NG = S if R == 1 else T.dynamic("row_groups")
     n_kv = SKV1 - 1 if safe else SKV1
     dkv_shape = [B, S, kv_group * nh, topk, D + DT] if dkv_per_slot else [B, SKV1, kv_group, D + DT]
+    load_rows, load_lse, attends = _row_group_access(R, hg)
     DC = 64  # Delta is summed DC columns at a time (a small fragment next to the dQ accumulator)
 
     @T.prim_func
@@ -237,14 +294,15 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
         Q: T.Tensor([B, S, heads, D + DT], dtype),
         KV: T.Tensor([B, SKV1, kv_group, D + DT], dtype),
         dO: T.Tensor([B, S, heads, D], dtype),
-        Indices: T.Tensor([B, S, kv_group, topk], T.int32),
+        Indices: T.Tensor([B, NG, kv_group, K], T.int32),
         Lse: T.Tensor([B, S, heads], acc),
         O: T.Tensor([B, S, heads, D], dtype),
-        Extent: T.Tensor([B, S, kv_group], T.int32),
+        Extent: T.Tensor([B, NG, kv_group], T.int32),
+        Members: T.Tensor([B, NG, kv_group, K], T.int32),
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
         dKV: T.Tensor(dkv_shape, acc),
     ):
-        with T.Kernel(S, B, kv_group * nh, threads=threads) as (s, b, bz):
+        with T.Kernel(NG, B, kv_group * nh, threads=threads) as (s, b, bz):
             g = bz // nh
             h0 = g * hg + (bz % nh) * h_blk
             q_s = T.alloc_shared([h_blk, D], dtype)
@@ -254,22 +312,22 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             kt_s = T.alloc_shared([BS, DT], dtype)
             p_s = T.alloc_shared([h_blk, BS], dtype)
             dp_s = T.alloc_shared([h_blk, BS], dtype)
-            valid = T.alloc_fragment([BS], "bool")
+            valid = T.alloc_fragment([BS], "bool" if R == 1 else T.int32)  # R > 1: member bits
             acc_p = T.alloc_fragment([h_blk, BS], acc)
             acc_dp = T.alloc_fragment([h_blk, BS], acc)
             acc_dq = T.alloc_fragment([h_blk, D], acc)
             acc_dqt = T.alloc_fragment([h_blk, DT], acc)
             acc_dkv = T.alloc_fragment([BS, D], acc)
             acc_dkvt = T.alloc_fragment([BS, DT], acc)
-            dkv_s = T.alloc_shared([R, D], acc)
-            dkvt_s = T.alloc_shared([R, DT], acc)
+            dkv_s = T.alloc_shared([SR, D], acc)
+            dkvt_s = T.alloc_shared([SR, DT], acc)
             delta_s = T.alloc_shared([h_blk], acc)
 
             for h, d in T.Parallel(h_blk, D):
-                q_s[h, d] = Q[b, s, h0 + h, d]
-                do_s[h, d] = dO[b, s, h0 + h, d]
+                q_s[h, d] = load_rows(Q, b, s, h0, h, d, S)
+                do_s[h, d] = load_rows(dO, b, s, h0, h, d, S)
             for h, d in T.Parallel(h_blk, DT):
-                qt_s[h, d] = Q[b, s, h0 + h, D + d]
+                qt_s[h, d] = load_rows(Q, b, s, h0, h, D + d, S)
             T.clear(acc_dq)
             T.clear(acc_dqt)
             # Delta = rowsum(O * dO), DC columns at a time
@@ -279,7 +337,8 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             T.clear(delta)
             for c in T.serial(D // DC):
                 for h, d in T.Parallel(h_blk, DC):
-                    od[h, d] = T.cast(O[b, s, h0 + h, c * DC + d], acc) * T.cast(dO[b, s, h0 + h, c * DC + d], acc)
+                    od[h, d] = (T.cast(load_rows(O, b, s, h0, h, c * DC + d, S), acc)
+                                * T.cast(load_rows(dO, b, s, h0, h, c * DC + d, S), acc))
                 T.reduce_sum(od, od_sum, dim=1)
                 for h in T.Parallel(h_blk):
                     delta[h] = delta[h] + od_sum[h]
@@ -292,18 +351,18 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             # blocks of pure padding after the row's last valid slot are skipped, not computed as zeros
             for i in T.serial(T.min(slot_blocks(Extent[b, s, g], BS), NS)):
                 for j in T.Parallel(BS):
-                    valid[j] = valid_slot(Indices[b, s, g, i * BS + j], n_kv)
+                    valid[j] = valid_slot(Indices[b, s, g, i * BS + j], n_kv) if R == 1 else Members[b, s, g, i * BS + j]
                 for j, d in T.Parallel(BS, D):
                     kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, d]
                 for h, j in T.Parallel(h_blk, BS):
-                    acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc))
+                    acc_p[h, j] = T.if_then_else(attends(valid, h, j), 0, -T.infinity(acc))
                 T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 for j, d in T.Parallel(BS, DT):
                     kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, D + d]
                 T.gemm(qt_s, kt_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
 
                 for h, j in T.Parallel(h_blk, BS):
-                    acc_p[h, j] = T.exp2(acc_p[h, j] * scale2 - Lse[b, s, h0 + h] * LOG2E)
+                    acc_p[h, j] = T.exp2(acc_p[h, j] * scale2 - load_lse(Lse, b, s, h0, h, S) * LOG2E)
                 T.copy(acc_p, p_s)
                 T.gemm(do_s, kv_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
                 for h, j in T.Parallel(h_blk, BS):
@@ -323,29 +382,37 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                 else:
                     for part in range(split):
                         for j, d in T.Parallel(BS, D):
-                            if j < R:
-                                dkv_s[j, d] = acc_dkv[j + part * R, d]
+                            if j < SR:
+                                dkv_s[j, d] = acc_dkv[j + part * SR, d]
                         for j, d in T.Parallel(BS, DT):
-                            if j < R:
-                                dkvt_s[j, d] = acc_dkvt[j + part * R, d]
+                            if j < SR:
+                                dkvt_s[j, d] = acc_dkvt[j + part * SR, d]
                         # padding slots hold exact-zero dKV rows and issue no atomic: otherwise every one
                         # of them would serialise on the same (sentinel) address
-                        for j, d in T.Parallel(R, D // 4):
-                            if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv):
+                        for j, d in T.Parallel(SR, D // 4):
+                            if valid_slot(Indices[b, s, g, i * BS + j + part * SR], n_kv):
                                 T.atomic_addx4(
-                                    dKV[b, gather_row(Indices[b, s, g, i * BS + j + part * R], n_kv, safe), g, d * 4],
+                                    dKV[b, gather_row(Indices[b, s, g, i * BS + j + part * SR], n_kv, safe), g, d * 4],
                                     dkv_s[j, d * 4],
                                 )
-                        for j, d in T.Parallel(R, DT // 4):
-                            if valid_slot(Indices[b, s, g, i * BS + j + part * R], n_kv):
+                        for j, d in T.Parallel(SR, DT // 4):
+                            if valid_slot(Indices[b, s, g, i * BS + j + part * SR], n_kv):
                                 T.atomic_addx4(
-                                    dKV[b, gather_row(Indices[b, s, g, i * BS + j + part * R], n_kv, safe), g, D + d * 4],
+                                    dKV[b, gather_row(Indices[b, s, g, i * BS + j + part * SR], n_kv, safe), g, D + d * 4],
                                     dkvt_s[j, d * 4],
                                 )
 
-            for h, d in T.Parallel(h_blk, D):
-                dQ[b, s, h0 + h, d] = acc_dq[h, d]
-            for h, d in T.Parallel(h_blk, DT):
-                dQ[b, s, h0 + h, D + d] = acc_dqt[h, d]
+            if R == 1:
+                for h, d in T.Parallel(h_blk, D):
+                    dQ[b, s, h0 + h, d] = acc_dq[h, d]
+                for h, d in T.Parallel(h_blk, DT):
+                    dQ[b, s, h0 + h, D + d] = acc_dqt[h, d]
+            else:
+                for h, d in T.Parallel(h_blk, D):
+                    if s * R + h // hg < S:
+                        dQ[b, s * R + h // hg, h0 + h % hg, d] = acc_dq[h, d]
+                for h, d in T.Parallel(h_blk, DT):
+                    if s * R + h // hg < S:
+                        dQ[b, s * R + h // hg, h0 + h % hg, D + d] = acc_dqt[h, d]
 
     return tilelang.compile(bwd, pass_configs=PASS_CONFIGS, target=target)
