@@ -15,49 +15,78 @@ row's bit set, so every slot still counts exactly once.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
-def group_keys(idx: torch.Tensor, n_kv: int, rows_per_group: int, block: int = 64):
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _group_lists(comp, keys, members, extent, n_kv, RK: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row group: comp [RK] = the group's key * R + row values, sorted ->
+    keys (entries, then n_kv), members (|= 1 << row; zeroed by the caller), extent (#entries).
+    A chunked scan: run starts, repeat numbers and entry numbers carry from chunk to chunk."""
+    base = tl.program_id(0).to(tl.int64) * RK
+    ar = tl.arange(0, BLOCK)
+    n_entries = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+    run_start = n_entries
+    key_entry = n_entries - 1
+    for start in range(0, RK, BLOCK):
+        offs = start + ar
+        inside = offs < RK
+        c = tl.load(comp + base + offs, mask=inside, other=n_kv * R)
+        prev = tl.load(comp + base + offs - 1, mask=inside & (offs > 0), other=-R)
+        key = c // R
+        row = c - key * R
+        valid = inside & (key < n_kv)
+        first_key = key != prev // R
+        # repeat number of a (key, row) pair: position minus the start of its run of equal values
+        rs = tl.maximum(tl.associative_scan(tl.where(c != prev, offs, 0), 0, _max), run_start)
+        repeat = offs - rs
+        new = valid & (first_key | (repeat > 0))
+        entry = n_entries + tl.cumsum(new.to(tl.int32), 0) - 1
+        # a first occurrence joins the entry its key opened; a repeat has its own entry
+        ke = tl.maximum(tl.associative_scan(tl.where(first_key, entry, -1), 0, _max), key_entry)
+        target = tl.where(repeat > 0, entry, ke)
+        tl.store(keys + base + entry, key, mask=new)
+        tl.atomic_or(members + base + target, (tl.full([BLOCK], 1, tl.int32) << row), mask=valid)
+        n_entries += tl.sum(new.to(tl.int32), 0)
+        run_start = tl.max(rs, 0)
+        key_entry = tl.max(ke, 0)
+    for start in range(0, RK, BLOCK):
+        offs = start + ar
+        tl.store(keys + base + offs, tl.full([BLOCK], 0, tl.int32) + n_kv, mask=(offs < RK) & (offs >= n_entries))
+    tl.store(extent + tl.program_id(0), n_entries)
+
+
+def group_keys(idx: torch.Tensor, n_kv: int, rows_per_group: int):
     """idx [B, T, G, K] int32, every slot in [0, n_kv] (n_kv = padding sentinel, as
     ``prepare_indices`` leaves them) -> (keys, members, extent):
 
     * keys [B, NG, G, R*K] int32, NG = ceil(T / R): the group's distinct (key, repeat) entries in
       ascending key order, then n_kv;
     * members [B, NG, G, R*K] int32: bit r set when row r of the group holds that entry;
-    * extent [B, NG, G] int32: the number of entries (blocks of ``block`` after it are padding).
+    * extent [B, NG, G] int32: the number of entries.
 
-    Rows past T (the last group) hold only padding. One sort per group; no host sync.
+    Rows past T (the last group) hold only padding. One segmented sort (torch) of the values
+    key * R + row per group, then one Triton pass; no host sync.
     """
     R = rows_per_group
     B, T, G, K = idx.shape
     NG = -(-T // R)
-    dev = idx.device
     if NG * R != T:
         idx = torch.cat([idx, idx.new_full((B, NG * R - T, G, K), n_kv)], dim=1)
-    # [B, NG, G, R, K] -> one row of R*K composite values (key * R + row) per group
-    x = idx.view(B, NG, R, G, K).permute(0, 1, 3, 2, 4)
-    row = torch.arange(R, device=dev, dtype=torch.int32).view(1, 1, 1, R, 1)
-    comp = (x * R + row).reshape(B * NG * G, R * K)
+    row = torch.arange(R, device=idx.device, dtype=torch.int32).view(1, 1, R, 1, 1)
+    comp = (idx.view(B, NG, R, G, K) * R + row).permute(0, 1, 3, 2, 4).reshape(B * NG * G, R * K)
     comp = comp.sort(dim=-1).values
-    key, row = comp // R, comp % R
-    valid = key < n_kv
-    pos = torch.arange(R * K, device=dev, dtype=torch.int32).expand_as(comp)
-    first_of_value = torch.ones_like(valid)
-    first_of_value[:, 1:] = comp[:, 1:] != comp[:, :-1]
-    first_of_key = torch.ones_like(valid)
-    first_of_key[:, 1:] = key[:, 1:] != key[:, :-1]
-    # repeat number of a (key, row) pair: position minus the start of its run of equal values
-    run_start = torch.where(first_of_value, pos, 0).cummax(dim=-1).values
-    repeat = pos - run_start
-    new_entry = valid & (first_of_key | (repeat > 0))
-    entry = new_entry.to(torch.int32).cumsum(dim=-1, dtype=torch.int32) - 1
-    # a first occurrence joins the entry its key opened; a repeat has its own entry
-    key_entry = torch.where(first_of_key, entry, -1).cummax(dim=-1).values
-    target = torch.where(valid, torch.where(repeat > 0, entry, key_entry), pos).long()
-    keys = torch.full_like(comp, n_kv).scatter_(1, target, torch.where(valid, key, n_kv))
-    bits = torch.where(valid, torch.ones_like(row) << row, 0)
-    members = torch.zeros_like(comp).scatter_add_(1, target, bits)
-    extent = new_entry.sum(dim=-1, dtype=torch.int32)
+    keys = torch.empty_like(comp)
+    members = torch.zeros_like(comp)
+    extent = torch.empty(B * NG * G, dtype=torch.int32, device=idx.device)
+    if comp.shape[0]:
+        _group_lists[(comp.shape[0],)](comp, keys, members, extent, n_kv, RK=R * K, R=R, BLOCK=1024, num_warps=8)
     shape = (B, NG, G, R * K)
     return keys.view(shape), members.view(shape), extent.view(B, NG, G)
 

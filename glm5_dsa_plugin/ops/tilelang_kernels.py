@@ -180,7 +180,9 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             m = T.alloc_fragment([h_blk], acc)
             m_prev = T.alloc_fragment([h_blk], acc)
 
-            s = bx // rep  # R > 1: the row group
+            # R > 1: the row group, last first (causal unions grow with the row: the largest
+            # groups start first instead of trailing the launch)
+            s = bx // rep if R == 1 else NG - 1 - bx
             if in_bucket(slot_blocks(Extent[b, s, g], BI), lo, NI, K // BI):
                 T.fill(acc_o, 0)
                 T.fill(row_sum, 0)
@@ -302,7 +304,8 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
         dKV: T.Tensor(dkv_shape, acc),
     ):
-        with T.Kernel(NG, B, kv_group * nh, threads=threads) as (s, b, bz):
+        with T.Kernel(NG, B, kv_group * nh, threads=threads) as (bx, b, bz):
+            s = bx if R == 1 else NG - 1 - bx  # R > 1: last group first (as the forward)
             g = bz // nh
             h0 = g * hg + (bz % nh) * h_blk
             q_s = T.alloc_shared([h_blk, D], dtype)
