@@ -322,3 +322,29 @@ def test_forward_plan_auto_for_64_row_tiles():
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     r_out, r_lse = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
     assert rel_l2(o2, r_out) <= 3e-3
+
+
+def test_row_groups_auto_follows_key_sharing():
+    """``row_groups="auto"`` (default), 16 heads: causal ragged rows (neighbours share most keys)
+    stay on row groups; random keys over a wide range (little sharing) switch to one-row blocks
+    once the first call's counts are in. Every call equals the reference (the choice never
+    changes a result beyond rounding)."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    T, H, K = 512, 16, 256
+    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    for T_kv, idx, want_groups in ((T, w2_indices(T, K, gen)[None], True),
+                                   (8192, torch.rand(T, 8192, generator=gen, device="cuda").topk(K).indices
+                                    .int()[None, :, None], False)):
+        kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+        be = TileLangBackend()
+        r_out, _ = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
+        r_dq, r_dkv = ref.backward(q.float(), kv.float(), idx, g.float(), SCALE, 512)
+        for call in range(2):
+            out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)
+            assert (len(saved) > 3) == (want_groups or call == 0), (T_kv, call)  # the first call: groups
+            dq, dkv = be.backward_saved(q, saved, out, lse, g, SCALE, 512)
+            assert rel_l2(out, r_out) <= 3e-3 and rel_l2(dq, r_dq) <= 3e-3 and rel_l2(dkv, r_dkv) <= 3e-3
+            torch.cuda.synchronize()  # the counts arrive

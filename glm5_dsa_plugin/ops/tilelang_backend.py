@@ -148,27 +148,73 @@ def cheaper_buckets_64(block_counts: list[int], n_blocks: int, buckets: int) -> 
     return buckets if single < sum(block_counts) * n_blocks else 1
 
 
-class _BlockCountsOfLastCall:
-    """The rows' block counts of a previous call of one shape, copied to pinned host memory
-    behind the kernels and read only once that copy is done (``Event.query``): choosing the
-    launch plan never waits on the GPU. The plan does not change any result (skipped blocks are
-    pure padding, which adds exact zeros), so stale counts only cost speed."""
+class _CountsOfLastCall:
+    """Counts from a previous call of one shape, copied to pinned host memory behind the kernels
+    and read only once that copy is done (``Event.query``): a launch choice made from them never
+    waits on the GPU. The choices they feed never change a result, so stale counts only cost speed."""
 
-    def __init__(self, n: int):
-        self.host = torch.zeros(n, dtype=torch.int32, pin_memory=True)
+    def __init__(self, n: int, dtype=torch.int32):
+        self.host = torch.zeros(n, dtype=dtype, pin_memory=True)
         self.event = torch.cuda.Event()
-        self.pending, self.buckets_64 = False, 1  # two-stage until counts arrive
+        self.pending = False
 
-    def choose(self, n_blocks: int) -> int:
+    def arrived(self) -> list[int] | None:
+        """The last recorded counts once their copy is done, each recording once; else None."""
         if self.pending and self.event.query():
-            self.buckets_64 = cheaper_buckets_64(self.host.tolist(), n_blocks, AUTO_BUCKETS_64)
             self.pending = False
-        return self.buckets_64
+            return self.host.tolist()
+        return None
 
     def record(self, counts: torch.Tensor) -> None:
         self.host.copy_(counts, non_blocking=True)
         self.event.record()
         self.pending = True
+
+
+class _BlockCountsOfLastCall(_CountsOfLastCall):
+    """The rows' block counts of a previous call -> the 64-row forward plan (skipped blocks are pure
+    padding, which adds exact zeros)."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.buckets_64 = 1  # two-stage until counts arrive
+
+    def choose(self, n_blocks: int) -> int:
+        counts = self.arrived()
+        if counts is not None:
+            self.buckets_64 = cheaper_buckets_64(counts, n_blocks, AUTO_BUCKETS_64)
+        return self.buckets_64
+
+
+# fwd+bwd cost of one row-group entry (64-row tile over R rows' union) relative to one slot of a
+# one-row block: 1.5-1.7 at W1/W2, H8/H16 (benchmarks/results/2026-11-29_h200_v8b_row_groups.json)
+ENTRY_COST = 1.6
+REPROBE_CALLS = 64  # a shape that chose one-row blocks builds the group lists again this often
+
+
+class _RowGroupChoice(_CountsOfLastCall):
+    """``row_groups="auto"``: row groups for a shape while its last counted call had
+    ENTRY_COST * (group entries) < (slots the one-row kernels run, the rows' extents); rows
+    sharing few keys (e.g. random keys over a long context) run one row per block. A shape on
+    one-row blocks is counted again every REPROBE_CALLS calls (building the lists once more)."""
+
+    def __init__(self):
+        super().__init__(2, torch.int64)
+        self.use, self.since_count = True, 0  # row groups until counts say otherwise
+
+    def choose(self) -> tuple[bool, bool]:
+        """-> (run row groups, build the lists and record counts in this call)."""
+        counts = self.arrived()
+        if counts is not None:
+            entries, slots = counts
+            self.use = ENTRY_COST * entries < slots
+        if self.use:
+            return True, True
+        self.since_count += 1
+        if self.since_count >= REPROBE_CALLS:
+            self.since_count = 0
+            return False, True
+        return False, False
 
 
 class TileLangBackend:
@@ -181,11 +227,13 @@ class TileLangBackend:
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
                  fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = "auto",
-                 row_groups: bool = True):
+                 row_groups: bool | str = "auto"):
         if fwd_block_16 not in (32, 64):
             raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
         if fwd_buckets_64 != "auto" and not (isinstance(fwd_buckets_64, int) and fwd_buckets_64 >= 1):
             raise ValueError(f"fwd_buckets_64: an int >= 1 or 'auto', got {fwd_buckets_64!r}")
+        if row_groups not in (True, False, "auto"):
+            raise ValueError(f"row_groups: True, False or 'auto', got {row_groups!r}")
         self.safe = safe
         # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
         # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
@@ -203,8 +251,10 @@ class TileLangBackend:
         self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
         self.fwd_min_heads = fwd_min_heads
         # fewer than 64 heads per kv group: blocks of R = 64 / hg consecutive query rows over the
-        # union of their keys (``row_groups``); not with deterministic or safe=False
+        # union of their keys (``row_groups``: always, never, or "auto": per shape, from the last
+        # counted call's entries vs slots, see _RowGroupChoice); not with deterministic or safe=False
         self.row_groups = row_groups
+        self._row_group_choice: dict[tuple, _RowGroupChoice] = {}
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
 
@@ -275,12 +325,26 @@ class TileLangBackend:
         return G, hg, padded_heads_per_group(hg, minimum)
 
     def rows_per_block(self, hg: int) -> tuple[int, int]:
-        """(padded heads per group, R): R > 1 consecutive query rows share a block when hg < 64
-        (hg padded to 8, 16 or 32; R * hg_pad = 64, see ``row_groups.group_keys``), else R = 1."""
+        """(padded heads per group, R) of the row-group kernels: R > 1 consecutive query rows share a
+        block when hg < 64 and ``row_groups`` is on (hg padded to 8, 16 or 32; R * hg_pad = 64,
+        see ``row_groups.group_keys``), else R = 1 (one-row blocks)."""
         if not self.row_groups or hg >= 64 or self.deterministic or not self.safe:
             return padded_heads_per_group(hg, self.fwd_min_heads), 1
         hg_pad = padded_heads_per_group(hg, 8)
         return hg_pad, 64 // hg_pad
+
+    def _choose_row_groups(self, indices) -> tuple[bool, _RowGroupChoice | None]:
+        """-> (run row groups in this call, the choice to record counts into or None)."""
+        if self.row_groups is True or indices.shape[1] == 0:
+            return True, None
+        if torch.cuda.is_current_stream_capturing():  # no event queries or host copies there
+            choice = self._row_group_choice.get(tuple(indices.shape))
+            return (choice.use if choice is not None else True), None
+        choice = self._row_group_choice.get(tuple(indices.shape))
+        if choice is None:
+            choice = self._row_group_choice[tuple(indices.shape)] = _RowGroupChoice()
+        use, count = choice.choose()
+        return use, choice if count else None
 
     def forward(self, q, kv, indices, sm_scale, d_v, index_flag=None):
         """As the Backend protocol; ``index_flag`` (int32 [1], device): set to nonzero when some
@@ -293,13 +357,20 @@ class TileLangBackend:
         self._check(q, kv, d_v)
         G, hg = kv.shape[2], q.shape[2] // kv.shape[2]
         hg_pad, R = self.rows_per_block(hg)
+        use_groups, count_into = self._choose_row_groups(indices) if R > 1 else (False, None)
+        R_lists = R  # counting builds the lists in one-row calls too
+        if not use_groups:
+            hg_pad, R = padded_heads_per_group(hg, self.fwd_min_heads), 1
         block = self._fwd_block(hg_pad, R)
         n_blocks = padded_topk(indices.shape[-1]) // block
         buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
         saved = self.save(kv, indices, index_flag, block_counts=counts, block=block)
         kv_k, idx, extent = saved
+        lists = group_keys(idx, kv.shape[1], R_lists) if (use_groups or count_into is not None) else None
+        if count_into is not None:  # group entries vs the slots one-row blocks run
+            count_into.record(torch.stack([lists[2].sum(dtype=torch.int64), extent.sum(dtype=torch.int64)]))
         if R > 1:
-            saved = saved + group_keys(idx, kv.shape[1], R)
+            saved = saved + lists
         keys, ext, members = (saved[3], saved[5], saved[4]) if R > 1 else (idx, extent, idx)
         qp = _pad_heads(q, G, hg, hg_pad)
         B, T, Hp, Dqk = qp.shape
