@@ -30,25 +30,22 @@ def test_reference_lists_count_every_slot_once():
 
 INTERPRETED = r"""
 import torch
-from glm5_dsa_plugin.ops import row_groups
 from glm5_dsa_plugin.ops.row_groups import group_keys, group_keys_reference
 g = torch.Generator().manual_seed(1)
-# (R, K range, register sort): small lists through the in-register sort; lists of R * K > 1024
-# (several chunks of the list pass) through the torch sort, which is quicker to interpret
-for R, k_max, in_registers in ((2, 40, True), (4, 40, True), (8, 40, True), (8, 260, True), (4, 300, False),
-                               (8, 300, False)):
-    row_groups.MAX_REGISTER_SORT = 16384 if in_registers else 0
+for trial in range(9):
+    R = (2, 4, 8)[trial % 3]
     B, T, G = (int(torch.randint(1, n, (1,), generator=g)) for n in (3, 20, 3))
-    K, n_kv = int(torch.randint(k_max // 2, k_max, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+    # K up to 299: lists of R * K entries span several of the kernel's 1024-entry chunks
+    K, n_kv = int(torch.randint(1, 300, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
     idx = torch.randint(0, n_kv + 1, (B, T, G, K), generator=g, dtype=torch.int32)
     for got, want, name in zip(group_keys(idx, n_kv, R), group_keys_reference(idx, n_kv, R), "kme"):
-        assert torch.equal(got, want), (R, K, in_registers, name)
+        assert torch.equal(got, want), (trial, name)
 print("OK")
 """
 
 
 def test_group_keys_triton_pass_in_interpreter():
-    """The Triton passes (CUDA in production) in the interpreter, against the row-by-row build."""
+    """The Triton pass (CUDA in production) in the interpreter, against the row-by-row build."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-W", "ignore", "-c", INTERPRETED], env=env, capture_output=True, text=True,
                        timeout=600)

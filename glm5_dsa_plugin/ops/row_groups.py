@@ -25,27 +25,6 @@ def _max(a, b):
 
 
 @triton.jit
-def _sorted_group_values(idx, comp, T, n_kv, G: tl.constexpr, K: tl.constexpr, R: tl.constexpr, P2: tl.constexpr):
-    """One program per row group (b, n, g): the values key * R + row of its R rows' K slots
-    (rows past T: padding), sorted in registers (bitonic, P2 = RK rounded up to a power of two;
-    the extra values sort last and are dropped) -> comp [RK]."""
-    pid = tl.program_id(0)
-    b = pid // (tl.cdiv(T, R) * G)
-    n = (pid // G) % tl.cdiv(T, R)
-    g = pid % G
-    e = tl.arange(0, P2)
-    r = e // K
-    t = n * R + r
-    inside = (e < R * K) & (t < T)
-    key = tl.load(idx + ((b.to(tl.int64) * T + t) * G + g) * K + e % K, mask=inside, other=n_kv)
-    vals = tl.sort(key * R + r, 0)
-    tl.store(comp + pid.to(tl.int64) * (R * K) + e, vals, mask=e < R * K)
-
-
-MAX_REGISTER_SORT = 16384  # values per group sorted in registers (no spills on sm_90 at 16 warps)
-
-
-@triton.jit
 def _group_lists(comp, keys, members, extent, n_kv, RK: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row group: comp [RK] = the group's key * R + row values, sorted ->
     keys (entries, then n_kv), members (|= 1 << row; zeroed by the caller), extent (#entries).
@@ -92,25 +71,17 @@ def group_keys(idx: torch.Tensor, n_kv: int, rows_per_group: int):
     * members [B, NG, G, R*K] int32: bit r set when row r of the group holds that entry;
     * extent [B, NG, G] int32: the number of entries.
 
-    Rows past T (the last group) hold only padding. The values key * R + row of each group are
-    sorted (in registers, one Triton program per group, up to MAX_REGISTER_SORT values; beyond,
-    one segmented torch sort), then one Triton pass builds the lists; no host sync.
+    Rows past T (the last group) hold only padding. One segmented sort (torch) of the values
+    key * R + row per group, then one Triton pass; no host sync.
     """
     R = rows_per_group
     B, T, G, K = idx.shape
     NG = -(-T // R)
-    p2 = triton.next_power_of_2(R * K)
-    if p2 <= MAX_REGISTER_SORT:
-        comp = torch.empty(B * NG * G, R * K, dtype=torch.int32, device=idx.device)
-        if comp.shape[0]:
-            _sorted_group_values[(comp.shape[0],)](idx.contiguous(), comp, T, n_kv, G=G, K=K, R=R, P2=p2,
-                                                   num_warps=max(4, min(16, p2 // 1024)))
-    else:
-        if NG * R != T:
-            idx = torch.cat([idx, idx.new_full((B, NG * R - T, G, K), n_kv)], dim=1)
-        row = torch.arange(R, device=idx.device, dtype=torch.int32).view(1, 1, R, 1, 1)
-        comp = (idx.view(B, NG, R, G, K) * R + row).permute(0, 1, 3, 2, 4).reshape(B * NG * G, R * K)
-        comp = comp.sort(dim=-1).values
+    if NG * R != T:
+        idx = torch.cat([idx, idx.new_full((B, NG * R - T, G, K), n_kv)], dim=1)
+    row = torch.arange(R, device=idx.device, dtype=torch.int32).view(1, 1, R, 1, 1)
+    comp = (idx.view(B, NG, R, G, K) * R + row).permute(0, 1, 3, 2, 4).reshape(B * NG * G, R * K)
+    comp = comp.sort(dim=-1).values
     keys = torch.empty_like(comp)
     members = torch.zeros_like(comp)
     extent = torch.empty(B * NG * G, dtype=torch.int32, device=idx.device)
