@@ -2,8 +2,8 @@
 
 Padding done here (so the kernels never index past a buffer):
   * heads per kv group are padded with zero query heads to 16, 32, 64 or a multiple of 64
-    (zero q gives finite scores; the padded heads' out is dropped and their dO is zero, so
-    they add exactly nothing to dkv);
+    (row groups: to 8, 16 or 32) (zero q gives finite scores; the padded heads' out is dropped
+    and their dO is zero, so they add exactly nothing to dkv);
   * topk is padded to a multiple of ``BLOCK_TOPK`` and every slot outside [0, T_kv) is rewritten
     to T_kv in the same pass, which also yields each row's extent (for skipping pure-padding
     blocks) and the index-rule flag (``triton_helpers.prepare_indices``, one launch), so no index
@@ -11,7 +11,8 @@ Padding done here (so the kernels never index past a buffer):
     therefore be read after the kernel);
   * kv gets one all-zero sentinel row appended (row T_kv): those slots gather it
     (see tilelang_kernels). The copy is made in the same launch, small next to the kernel.
-These prepared inputs are built once per call and kept for the backward (``save``).
+These prepared inputs are built once per call and kept for the backward (``save``), with the
+row groups' key lists (``row_groups.group_keys``) when the call runs row groups.
 """
 
 from __future__ import annotations
@@ -353,7 +354,8 @@ class TileLangBackend:
         return self.forward_saving(q, kv, indices, sm_scale, d_v, index_flag)[:2]
 
     def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
-        """-> (out, lse, saved): ``saved`` (from :meth:`save`) is what :meth:`backward_saved` needs."""
+        """-> (out, lse, saved): ``saved`` is what :meth:`backward_saved` needs: :meth:`save`'s three
+        tensors, then (keys, members, extent) of ``group_keys`` when this call ran row groups."""
         self._check(q, kv, d_v)
         G, hg = kv.shape[2], q.shape[2] // kv.shape[2]
         hg_pad, R = self.rows_per_block(hg)
@@ -371,7 +373,7 @@ class TileLangBackend:
             count_into.record(torch.stack([lists[2].sum(dtype=torch.int64), extent.sum(dtype=torch.int64)]))
         if R > 1:
             saved = saved + lists
-        keys, ext, members = (saved[3], saved[5], saved[4]) if R > 1 else (idx, extent, idx)
+        keys, members, ext = saved[3:] if R > 1 else (idx, idx, extent)  # members: not read when R = 1
         qp = _pad_heads(q, G, hg, hg_pad)
         B, T, Hp, Dqk = qp.shape
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)

@@ -13,13 +13,18 @@ Fixes over the vendored copies (each applies when ``safe=True``, the only mode t
     A slot outside [0, T_kv) scores -inf and issues no dKV atomic (its dKV rows are exact zeros);
   * rows with no valid slot: out = 0, lse = EMPTY_ROW_LSE (finite), hence P = 0 and dq = 0;
   * no reliance on TileLang's safe-memory legalisation (it is disabled below, on purpose):
-    every global access is in bounds by construction (one query row per block, heads padded
-    and indices rewritten by the host wrapper, topk padded to a multiple of the block);
+    every global access is in bounds by construction (one query row per block, or a row group
+    whose rows past the sequence are read as zeros and never written; heads padded and indices
+    rewritten by the host wrapper, topk padded to a multiple of the block);
   * the aggressive shared-memory merge is explicitly off: in 0.1.9-0.1.10 it aliased the dKV
     staging buffer with the live Q tile and produced NaN dq/dkv from finite inputs.
 
 Conventions: the kernels read/write natural-log lse [B, T, H] fp32 and use log2 internally.
-Head layout: ``heads = G * Hg`` where ``Hg`` (heads per kv group) is 16, 32, 64 or a multiple of 64.
+Head layout: ``heads = G * Hg`` where ``Hg`` (heads per kv group) is 16, 32, 64 or a multiple of 64
+(one query row per block), or 8, 16, 32 with ``rows_per_block`` = 64 / Hg (row groups: see
+``row_group_geometry`` and ``row_groups.group_keys``). In a row group a slot masked for one row
+still goes through the MMA, so a nonfinite kv row selected by one row of the group reaches the
+other rows of its block as well (0 * NaN); the guard repairs them like any other bad row.
 """
 
 
