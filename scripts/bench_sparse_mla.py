@@ -6,6 +6,9 @@ Workloads (bf16, Dqk=576, d_v=512, G=1, topk=2048):
   W2: T=T_kv=4096, row t = random permutation of min(t+1, 2048) keys in [0, t] then -1; rows 0, 7, 2000 empty.
 Writes ``$OUT/bench_sparse_mla.json`` (rows: workload, H, impl, fwd_ms, fwd_bwd_ms, fwd_tflops,
 bwd_tflops, peak_gib, rel errors) and a PNG chart when matplotlib is present; prints a table last.
+Rows: ours (defaults), ours_novalidate, ours_2stage64 (H64: the previous forward plan), ours_r1
+(H < 64: one query row per block, no row groups), mcore, reference. ``--kernels-only``: the rows
+and the row groups' list figures only (``bench_sparse_mla_kernels.json``).
 """
 
 from __future__ import annotations
@@ -227,7 +230,7 @@ def main():
 
         kidx, _ = prepare_indices(idx[None], T_kv, 2048)
         for R in (8, 4):  # the row groups' key lists (part of every H8 / H16 call)
-            keys, _, ext = group_keys(kidx, T_kv, R)
+            ext = group_keys(kidx, T_kv, R)[2]
             extra[f"{wl}_group_keys_ms_R={R}"] = bench(lambda: group_keys(kidx, T_kv, R))
             extra[f"{wl}_group_entries_per_row_R={R}"] = float(ext.float().sum()) / T
             comp = torch.randint(0, T_kv * R, (T // R, R * 2048), device="cuda", dtype=torch.int32)

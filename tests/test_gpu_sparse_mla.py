@@ -348,3 +348,29 @@ def test_row_groups_auto_follows_key_sharing():
             dq, dkv = be.backward_saved(q, saved, out, lse, g, SCALE, 512)
             assert rel_l2(out, r_out) <= 3e-3 and rel_l2(dq, r_dq) <= 3e-3 and rel_l2(dkv, r_dkv) <= 3e-3
             torch.cuda.synchronize()  # the counts arrive
+
+
+@pytest.mark.parametrize("H", [8, 32])
+def test_row_groups_count_repeated_keys_per_slot(H):
+    """Row groups forced on: rows that repeat one key in every slot (an indexer padding with 0),
+    rows that repeat a key in half their slots, an all -1 row and a last group past the sequence
+    (T = 203) equal the reference, which counts every slot."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    T, T_kv, K = 203, 100, 128
+    idx = torch.randint(0, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
+    idx[torch.rand(idx.shape, generator=gen, device="cuda") < 0.3] = -1
+    idx[0, 5:10] = 0
+    idx[0, 11, 0, ::2] = 3
+    idx[0, 12] = -1
+    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    be = TileLangBackend(row_groups=True)
+    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)
+    assert len(saved) == 6  # ran row groups
+    dq, dkv = be.backward_saved(q, saved, out, lse, g, SCALE, 512)
+    r_out, r_lse = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
+    r_dq, r_dkv = ref.backward(q.float(), kv.float(), idx, g.float(), SCALE, 512)
+    _check((out, lse, dq, dkv), (r_out, r_lse, r_dq, r_dkv), idx)

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from glm5_dsa_plugin.ops.row_groups import group_keys_reference

@@ -338,10 +338,9 @@ class TileLangBackend:
         """-> (run row groups in this call, the choice to record counts into or None)."""
         if self.row_groups is True or indices.shape[1] == 0:
             return True, None
-        if torch.cuda.is_current_stream_capturing():  # no event queries or host copies there
-            choice = self._row_group_choice.get(tuple(indices.shape))
-            return (choice.use if choice is not None else True), None
         choice = self._row_group_choice.get(tuple(indices.shape))
+        if torch.cuda.is_current_stream_capturing():  # no event queries or host copies there
+            return (choice.use if choice is not None else True), None
         if choice is None:
             choice = self._row_group_choice[tuple(indices.shape)] = _RowGroupChoice()
         use, count = choice.choose()

@@ -201,7 +201,8 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                 for i in (T.Pipelined(NI, num_stages=num_stages) if R == 1
                           else T.serial(T.min(slot_blocks(Extent[b, s, g], BI), NI))):
                     for j in T.Parallel(BI):
-                        valid[j] = valid_slot(Indices[b, s, g, i * BI + j], n_kv) if R == 1 else Members[b, s, g, i * BI + j]
+                        valid[j] = (valid_slot(Indices[b, s, g, i * BI + j], n_kv) if R == 1
+                                    else Members[b, s, g, i * BI + j])
                     for j, d in T.Parallel(BI, D):
                         kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, d]
                     for j, d in T.Parallel(BI, DT):
@@ -359,7 +360,8 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             # blocks of pure padding after the row's last valid slot are skipped, not computed as zeros
             for i in T.serial(T.min(slot_blocks(Extent[b, s, g], BS), NS)):
                 for j in T.Parallel(BS):
-                    valid[j] = valid_slot(Indices[b, s, g, i * BS + j], n_kv) if R == 1 else Members[b, s, g, i * BS + j]
+                    valid[j] = (valid_slot(Indices[b, s, g, i * BS + j], n_kv) if R == 1
+                                else Members[b, s, g, i * BS + j])
                 for j, d in T.Parallel(BS, D):
                     kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, d]
                 for h, j in T.Parallel(h_blk, BS):
