@@ -208,6 +208,35 @@ def test_forward_launch_plans():
 
 
 
+def test_row_group_geometry_and_choice():
+    """Row groups: R = 64 / hg_pad rows per block for hg < 64 (hg padded to 8, 16, 32), one row
+    per block otherwise, when off, in deterministic mode or without the fixes. "auto" keeps row
+    groups while 1.6 x entries < slots, switches to one-row blocks otherwise, and counts a
+    one-row shape again every REPROBE_CALLS calls."""
+    import pytest
+
+    from glm5_dsa_plugin.ops.tilelang_backend import REPROBE_CALLS, TileLangBackend, _RowGroupChoice
+
+    be = TileLangBackend()
+    assert [be.rows_per_block(hg) for hg in (4, 8, 12, 16, 32, 64, 128)] == \
+        [(8, 8), (8, 8), (16, 4), (16, 4), (32, 2), (64, 1), (128, 1)]
+    for off in (TileLangBackend(row_groups=False), be.deterministic_variant(), TileLangBackend(safe=False)):
+        assert off.rows_per_block(8) == (16, 1)
+    with pytest.raises(ValueError, match="row_groups"):
+        TileLangBackend(row_groups="sometimes")
+
+    choice = _RowGroupChoice()
+    arrivals = iter([None, [100, 1000], None])  # counts of W2-like sharing arrive on the 2nd call
+    choice.arrived = lambda: next(arrivals, None)
+    assert [choice.choose() for _ in range(3)] == [(True, True)] * 3
+    arrivals = iter([[700, 1000]])  # W1-like: 1.6 x 700 > 1000
+    assert choice.choose() == (False, False)  # the first of REPROBE_CALLS one-row calls
+    calls = [choice.choose() for _ in range(REPROBE_CALLS - 1)]
+    assert calls[-1] == (False, True) and all(c == (False, False) for c in calls[:-1])
+    arrivals = iter([[100, 1000]])  # the recount says the rows share keys again
+    assert choice.choose() == (True, True)
+
+
 def test_deterministic_variant_keeps_every_setting():
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 

@@ -155,7 +155,7 @@ class _CountsOfLastCall:
     waits on the GPU. The choices they feed never change a result, so stale counts only cost speed."""
 
     def __init__(self, n: int, dtype=torch.int32):
-        self.host = torch.zeros(n, dtype=dtype, pin_memory=True)
+        self.host = torch.zeros(n, dtype=dtype, pin_memory=torch.cuda.is_available())  # (CPU tests: unpinned)
         self.event = torch.cuda.Event()
         self.pending = False
 
