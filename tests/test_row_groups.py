@@ -1,11 +1,8 @@
 """``row_groups.group_keys`` (the key lists of query-row groups) against a row-by-row Python build;
 its Triton pass runs in the interpreter on CPU (in a subprocess, as the other Triton tests)."""
 
-import os
-import subprocess
-import sys
-
 import torch
+from triton_interpreter import run_interpreted
 
 from glm5_dsa_plugin.ops.row_groups import group_keys_reference
 
@@ -45,7 +42,4 @@ print("OK")
 
 def test_group_keys_triton_pass_in_interpreter():
     """The Triton pass (CUDA in production) in the interpreter, against the row-by-row build."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", INTERPRETED], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_interpreted(INTERPRETED)

@@ -3,11 +3,8 @@ finiteness flag, the deterministic segment sum, the backward's dKV conversion + 
 TileLang backend's index preparation (rewrite, extent, index-rule flag, sentinel kv) against a
 torch oracle built from the contract's index rule."""
 
-import os
-import subprocess
-import sys
-
 import torch
+from triton_interpreter import run_interpreted
 
 
 SCRIPT = r"""
@@ -39,15 +36,8 @@ print("OK")
 """
 
 
-def _interpret(script):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
-
-
 def test_nonfinite_flag_and_segment_sum_in_interpreter():
-    _interpret(SCRIPT)
+    run_interpreted(SCRIPT)
 
 
 PREPARE = r"""
@@ -117,7 +107,7 @@ def test_prepare_indices_matches_the_index_rule_in_interpreter():
     valid slots are kept, topk is padded, extent = 1 + last valid position, the flag is set
     exactly when the contract's rule is broken (and only when asked); the same launch copies kv
     and appends each batch's zero sentinel row."""
-    _interpret(PREPARE)
+    run_interpreted(PREPARE)
 
 
 FINISH = r"""
@@ -161,7 +151,7 @@ print("OK")
 def test_finish_backward_converts_drops_sentinel_and_flags_in_interpreter():
     """dKV fp32 -> bf16 without each batch's sentinel rows (to one bf16 ulp: the interpreter truncates), and
     the flag set exactly when the returned dkv or dq holds NaN/inf."""
-    _interpret(FINISH)
+    run_interpreted(FINISH)
 
 
 def test_forward_buckets_cover_every_row_once():
