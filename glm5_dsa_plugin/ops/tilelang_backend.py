@@ -218,6 +218,17 @@ class _RowGroupChoice(_CountsOfLastCall):
         return False, False
 
 
+def _kernel_lists(saved: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(R, keys, members, extent) the kernels read, from a forward's ``saved``: the row groups'
+    lists when it ran them (R = their width / the indices' width), else the one-row indices
+    (members not read)."""
+    idx, extent = saved[1], saved[2]
+    if len(saved) == 3:
+        return 1, idx, idx, extent
+    keys, members, group_extent = saved[3:]
+    return keys.shape[-1] // idx.shape[-1], keys, members, group_extent
+
+
 class TileLangBackend:
     """Fixed TileLang kernels; bf16, CUDA sm_90."""
 
@@ -357,22 +368,21 @@ class TileLangBackend:
         tensors, then (keys, members, extent) of ``group_keys`` when this call ran row groups."""
         self._check(q, kv, d_v)
         G, hg = kv.shape[2], q.shape[2] // kv.shape[2]
-        hg_pad, R = self.rows_per_block(hg)
-        use_groups, count_into = self._choose_row_groups(indices) if R > 1 else (False, None)
-        R_lists = R  # counting builds the lists in one-row calls too
-        if not use_groups:
-            hg_pad, R = padded_heads_per_group(hg, self.fwd_min_heads), 1
-        block = self._fwd_block(hg_pad, R)
+        group_heads, group_rows = self.rows_per_block(hg)
+        use_groups, count_into = self._choose_row_groups(indices) if group_rows > 1 else (False, None)
+        hg_pad = group_heads if use_groups else padded_heads_per_group(hg, self.fwd_min_heads)
+        block = self._fwd_block(hg_pad)
         n_blocks = padded_topk(indices.shape[-1]) // block
         buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
         saved = self.save(kv, indices, index_flag, block_counts=counts, block=block)
-        kv_k, idx, extent = saved
-        lists = group_keys(idx, kv.shape[1], R_lists) if (use_groups or count_into is not None) else None
-        if count_into is not None:  # group entries vs the slots one-row blocks run
-            count_into.record(torch.stack([lists[2].sum(dtype=torch.int64), extent.sum(dtype=torch.int64)]))
-        if R > 1:
-            saved = saved + lists
-        keys, members, ext = saved[3:] if R > 1 else (idx, idx, extent)  # members: not read when R = 1
+        if use_groups or count_into is not None:  # (counting builds the lists in one-row calls too)
+            lists = group_keys(saved[1], kv.shape[1], group_rows)
+            if count_into is not None:  # group entries vs the slots one-row blocks run
+                count_into.record(torch.stack([lists[2].sum(dtype=torch.int64), saved[2].sum(dtype=torch.int64)]))
+            if use_groups:
+                saved = saved + lists
+        kv_k, idx = saved[:2]
+        R, keys, members, ext = _kernel_lists(saved)
         qp = _pad_heads(q, G, hg, hg_pad)
         B, T, Hp, Dqk = qp.shape
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
@@ -385,11 +395,12 @@ class TileLangBackend:
             last.record(counts)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
 
-    def _fwd_block(self, hg_pad: int, rows_per_block: int = 1) -> int:
-        """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``."""
+    def _fwd_block(self, hg_pad: int) -> int:
+        """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``
+        (row groups always run ``BLOCK_TOPK``; their plan needs no block count)."""
         from .tilelang_kernels import BLOCK_TOPK
 
-        return self.fwd_block_16 if hg_pad == 16 and rows_per_block == 1 else BLOCK_TOPK
+        return self.fwd_block_16 if hg_pad == 16 else BLOCK_TOPK
 
     def forward_kernels(self, Hp: int, d_v: int, d_tail: int, k_pad: int, G: int, sm_scale: float, hg_pad: int,
                         buckets_64: int, target: str | None = None, rows_per_block: int = 1) -> list:
@@ -455,11 +466,10 @@ class TileLangBackend:
         self._check(q, saved[0], d_v)
         kv_k, idx, extent = saved[:3]
         n_kv = kv_k.shape[1] - 1 if self.safe else kv_k.shape[1]
+        R, keys, members, ext = _kernel_lists(saved)
         G, hg, hg_pad = self._geometry(q, kv_k, BWD_MIN_HEADS)
-        R = 1
-        if len(saved) > 3:  # the forward ran row groups (``rows_per_block``)
-            hg_pad, R = self.rows_per_block(hg)
-            assert R > 1, "saved row groups but this backend does not use them"
+        if R > 1:  # the forward ran row groups: R rows of 64 / R (padded) heads per block
+            hg_pad = 64 // R
         if hg == hg_pad:  # (the common case: no padding ops on the host path)
             qp, dop, outp, lsep = q.contiguous(), grad_out.contiguous(), out.contiguous(), lse.contiguous()
         else:
@@ -472,7 +482,6 @@ class TileLangBackend:
         else:
             kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
                                            **({"rows_per_block": R} if R > 1 else {}))
-            keys, members, ext = saved[3:] if R > 1 else (idx, idx, extent)
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
             if T > 0:
