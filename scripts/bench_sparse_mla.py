@@ -233,8 +233,6 @@ def main():
             ext = group_keys(kidx, T_kv, R)[2]
             extra[f"{wl}_group_keys_ms_R={R}"] = bench(lambda: group_keys(kidx, T_kv, R))
             extra[f"{wl}_group_entries_per_row_R={R}"] = float(ext.float().sum()) / T
-            comp = torch.randint(0, T_kv * R, (T // R, R * 2048), device="cuda", dtype=torch.int32)
-            extra[f"{wl}_group_keys_sort_alone_ms_R={R}"] = bench(lambda: comp.sort(dim=-1))
         extra[f"{wl}_valid_slots_per_row"] = float((idx >= 0).sum()) / T
         for H in [int(h) for h in args.heads.split(",")]:
             q = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)

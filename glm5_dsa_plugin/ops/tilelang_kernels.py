@@ -118,6 +118,12 @@ def _row_group_access(R: int, hg: int):
     return load_rows, load_lse, (lambda valid, h, j: ((valid[j] >> (h // hg)) & 1) == 1)
 
 
+def members_dtype(R: int):
+    """dtype of the Members tensor: uint8 member bits for row groups (R <= 8), else int32 (R = 1:
+    not read; the caller passes the indices)."""
+    return T.int32 if R == 1 else T.uint8
+
+
 def gather_row(idx, n_rows, select):
     """Row of the sentinel-extended kv that a slot reads. The host already rewrote invalid slots
     to the sentinel (row ``n_rows``); with ``select`` the kernel also maps any index outside
@@ -141,7 +147,7 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     ``hi`` slot blocks, and runs ``hi`` of them (a static, pipelined loop): the host launches one
     kernel per bucket so pure-padding tails are skipped (default: one launch, every block).
     ``rows_per_block`` R > 1 (see ``row_group_geometry``): Indices/Extent are a row group's key
-    list [B, ceil(T/R), G, R*topk] and its length, plus Members [B, ceil(T/R), G, R*topk] i32
+    list [B, ceil(T/R), G, R*topk] and its length, plus Members [B, ceil(T/R), G, R*topk] u8
     (bit r: row r of the group attends that entry); the loop runs the group's blocks only."""
     R = rows_per_block
     assert topk % block_i == 0 and heads % kv_group == 0
@@ -166,7 +172,7 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
         KV: T.Tensor([B, SKV1, kv_group, D + DT], dtype),
         Indices: T.Tensor([B, NG, kv_group, K], T.int32),
         Extent: T.Tensor([B, NG, kv_group], T.int32),
-        Members: T.Tensor([B, NG, kv_group, K], T.int32),
+        Members: T.Tensor([B, NG, kv_group, K], members_dtype(R)),
         Out: T.Tensor([B, S, heads, D], dtype),
         Lse: T.Tensor([B, S, heads], acc),
     ):
@@ -202,7 +208,7 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                           else T.serial(T.min(slot_blocks(Extent[b, s, g], BI), NI))):
                     for j in T.Parallel(BI):
                         valid[j] = (valid_slot(Indices[b, s, g, i * BI + j], n_kv) if R == 1
-                                    else Members[b, s, g, i * BI + j])
+                                    else T.cast(Members[b, s, g, i * BI + j], T.int32))
                     for j, d in T.Parallel(BI, D):
                         kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BI + j], n_kv, select), g, d]
                     for j, d in T.Parallel(BI, DT):
@@ -306,7 +312,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
         Lse: T.Tensor([B, S, heads], acc),
         O: T.Tensor([B, S, heads, D], dtype),
         Extent: T.Tensor([B, NG, kv_group], T.int32),
-        Members: T.Tensor([B, NG, kv_group, K], T.int32),
+        Members: T.Tensor([B, NG, kv_group, K], members_dtype(R)),
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
         dKV: T.Tensor(dkv_shape, acc),
     ):
@@ -361,7 +367,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             for i in T.serial(T.min(slot_blocks(Extent[b, s, g], BS), NS)):
                 for j in T.Parallel(BS):
                     valid[j] = (valid_slot(Indices[b, s, g, i * BS + j], n_kv) if R == 1
-                                else Members[b, s, g, i * BS + j])
+                                else T.cast(Members[b, s, g, i * BS + j], T.int32))
                 for j, d in T.Parallel(BS, D):
                     kv_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, d]
                 for h, j in T.Parallel(h_blk, BS):
