@@ -6,7 +6,7 @@ Workloads (bf16, Dqk=576, d_v=512, G=1, topk=2048):
   W2: T=T_kv=4096, row t = random permutation of min(t+1, 2048) keys in [0, t] then -1; rows 0, 7, 2000 empty.
 Writes ``$OUT/bench_sparse_mla.json`` (rows: workload, H, impl, fwd_ms, fwd_bwd_ms, fwd_tflops,
 bwd_tflops, peak_gib, rel errors) and a PNG chart when matplotlib is present; prints a table last.
-Rows: ours (defaults), ours_novalidate, ours_2stage64 (H64: the previous forward plan), ours_r1
+Rows: ours (defaults), ours_novalidate, ours_classic (the previous default forward: no warp specialisation), ours_r1
 (H < 64: one query row per block, no row groups), mcore, reference. ``--kernels-only``: the rows
 and the row groups' list figures only (``bench_sparse_mla_kernels.json``).
 """
@@ -48,18 +48,18 @@ def make_impls(has_mcore):
         "ours": lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang"),
         "ours_novalidate": lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang", validate=False),
     }
-    # the default 64-row forward plan is chosen per call from row counts (fwd_buckets_64="auto"):
-    # its single-stage bucket kernels are built up front, in parallel; "ours_2stage64" is the
-    # previous default (one two-stage launch), measured in the same run at H64
+    # 64-row tiles (H64, and row groups at H8/H16) run the warp-specialised forward by default;
+    # "ours_classic" is the previous default forward (single warpgroup; H64: the 64-row plan chosen
+    # per call from row counts, its bucket kernels built up front), measured in the same run
     try:
         from glm5_dsa_plugin.ops.backends import register_backend
         from glm5_dsa_plugin.ops.tilelang_backend import AUTO_BUCKETS_64, TileLangBackend
 
         TileLangBackend().forward_kernels(64, D_V, 64, 2048, 1, SCALE, 64, AUTO_BUCKETS_64)
-        register_backend("tilelang_2stage64", lambda: TileLangBackend(fwd_buckets_64=1), replace=True)
-        impls["ours_2stage64"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_2stage64")
+        register_backend("tilelang_classic", lambda: TileLangBackend(fwd_warp_specialized=False), replace=True)
+        impls["ours_classic"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_classic")
     except Exception as exc:  # noqa: BLE001 - an option failing to build is a result, not a crash
-        print(f"bucket precompile / ours_2stage64 unavailable: {type(exc).__name__}: {exc}")
+        print(f"bucket precompile / ours_classic unavailable: {type(exc).__name__}: {exc}")
     # < 64 heads: the default runs row groups (R = 64 / hg rows per block over their keys' union);
     # "ours_r1" is one query row per block, the previous default, in the same run
     try:
@@ -243,7 +243,7 @@ def main():
             for name, fn in impls.items():
                 if name == "reference" and (wl, str(H)) not in ref_pairs:
                     continue
-                if name == "ours_2stage64" and H != 64 or name == "ours_r1" and H >= 64:
+                if name == "ours_r1" and H >= 64:
                     continue
                 qq, kk = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
 

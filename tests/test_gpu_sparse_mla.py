@@ -112,7 +112,8 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
     kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
     idx = torch.randint(0, T_kv, (1, T, 1, 512), generator=gen, device="cuda", dtype=torch.int32)
     g = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
-    safe, raw = TileLangBackend(safe=True), TileLangBackend(safe=False)
+    # the same (single-warpgroup) kernels with the fixes compiled in and out
+    safe, raw = TileLangBackend(safe=True, fwd_warp_specialized=False), TileLangBackend(safe=False)
     o1, l1 = safe.forward(q, kv, idx, SCALE, 512)
     o2, l2 = raw.forward(q, kv, idx, SCALE, 512)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
@@ -121,17 +122,21 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
     assert torch.equal(dq1, dq2)  # dkv uses atomics: order-dependent, compared in the other tests
 
 
-@pytest.mark.parametrize("H,K,buckets_64,R", [(64, 128, 1, 1), (16, 512, 1, 1), (64, 512, 8, 1), (16, 512, 1, 4),
-                                              (8, 256, 1, 8)])
-def test_nan_guard_regions_untouched(H, K, buckets_64, R):
+@pytest.mark.parametrize("H,K,buckets_64,R,ws", [(64, 128, 1, 1, False), (16, 512, 1, 1, False), (64, 512, 8, 1, False),
+                                                 (16, 512, 1, 4, False), (8, 256, 1, 8, False),
+                                                 (64, 192, 1, 1, True), (16, 512, 1, 4, True), (8, 256, 1, 8, True)])
+def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     """Every buffer the kernels touch sits inside NaN-filled guard regions (safe-memory pass off):
     results finite and exact, every guard element unchanged after forward and backward. The
     forward runs the backend's own launch plan (H=16, topk 512: four row buckets; H=64 with
     ``fwd_buckets_64=8``: eight single-stage buckets), or R > 1: the row-group kernels over
-    ``group_keys`` lists, with a last group that runs past the sequence (T = 301)."""
+    ``group_keys`` lists, with a last group that runs past the sequence (T = 301). ``ws``: the
+    warp-specialised forward instead (H64 with topk 192: an odd block count, so the last pair's
+    second block re-reads the last one)."""
     from glm5_dsa_plugin.ops.row_groups import group_keys
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, forward_launches
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang_kernels import (sparse_mla_bwd_kernel, sparse_mla_fwd_kernel,
+                                                      sparse_mla_fwd_ws_kernel)
     from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -172,10 +177,12 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R):
         lists = group_keys(kidx, T_kv, R)
         (_, kidx), (_, members), (_, extent) = (guarded(x.shape, x.dtype, x) for x in lists)
     # the forward as the backend runs it: direct gathers of the rewritten indices, its launch plan
-    for lo, hi, stages in plan:
+    for lo, hi, stages in [] if ws else plan:
         sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE, select_in_kernel=False, num_stages=stages,
                               blocks=None if (lo, hi) == (0, R * K // 64) else (lo, hi),
                               rows_per_block=R)(q, kv, kidx, extent, members, out, lse)
+    if ws:
+        sparse_mla_fwd_ws_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R)(q, kv, kidx, extent, members, out, lse)
     dq_buf, dq = guarded((1, T, H, D), torch.bfloat16)
     dkv_buf, dkv = guarded((1, T_kv + 1, 1, D), torch.float32, torch.zeros(1, T_kv + 1, 1, D, device="cuda"))
     do = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -314,7 +321,7 @@ def test_forward_plan_auto_for_64_row_tiles():
     q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(1, T, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
     idx = w2_indices(T, topk, gen)[None]
-    be = TileLangBackend(fwd_buckets_64="auto")
+    be = TileLangBackend(fwd_buckets_64="auto", fwd_warp_specialized=False)  # (the plan of the classic forward)
     o1, l1 = be.forward(q, kv, idx, SCALE, 512)
     torch.cuda.synchronize()
     (last,) = be._block_counts.values()

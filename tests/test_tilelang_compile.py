@@ -31,12 +31,12 @@ HOPPER_MAX_DYN_SMEM = 227 * 1024  # per block, opt-in maximum on sm_90
 
 
 def _requested_dyn_smem(kernel) -> int:
-    """Dynamic shared memory the host code requests at launch (the only int64 constant above
-    64 KiB that is a multiple of 1 KiB in TileLang's generated host source)."""
+    """Dynamic shared memory the host code requests at launch (the largest int64 constant above
+    64 KiB that is a multiple of 128 B in TileLang's generated host source)."""
     import re
 
     consts = [int(x) for x in re.findall(r"\(\(int64_t\)(\d+)\)", kernel.get_host_source())]
-    smem = [c for c in consts if c > 65536 and c % 1024 == 0]
+    smem = [c for c in consts if c > 65536 and c % 128 == 0]
     assert smem, "no shared-memory size found in the host source"
     return max(smem)
 
@@ -119,3 +119,35 @@ def test_row_group_kernels_build_and_fit(hg, kv_group):
         assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM
         assert "Members" in k.get_kernel_source()
     assert "AtomicAddx4" in bwd.get_kernel_source()
+
+
+SM90A = json.dumps({"kind": "cuda", "arch": "sm_90a"})  # setmaxnreg and wgmma need the "a" target
+
+
+@pytest.mark.parametrize("heads,R", [(64, 1), (128, 1), (8, 8), (16, 4), (32, 2)])
+def test_warp_specialized_forward_builds_and_fits(heads, R):
+    """The warp-specialised forward (64-row tiles: H64/H128 one row per block, row groups) builds
+    for sm_90a within 227 KiB, gathers with cp.async in its own warpgroup and rebalances registers."""
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_ws_kernel
+
+    k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
+    src = k.get_kernel_source()
+    assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM
+    assert "cp_async_gs<16>" in src and "warpgroup_reg_dealloc<80>" in src and "wgmma" in src
+
+
+def test_warp_specialized_forward_choice():
+    """``fwd_warp_specialized``: "auto" (default) runs it for one-row 64-row tiles (>= 64 heads per
+    kv group) only, True for row groups too, False never; safe=False (fix-cost measurement) never;
+    any other value is an error."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    cases = [(64, False), (128, False), (32, False), (16, False), (8, True), (16, True)]
+    want = {"auto": [True, True, False, False, False, False], True: [True, True, False, False, True, True],
+            False: [False] * 6}
+    for setting, expected in want.items():
+        be = TileLangBackend(fwd_warp_specialized=setting)
+        assert [be._warp_specialized(h, rg) for h, rg in cases] == expected, setting
+    assert not TileLangBackend(safe=False)._warp_specialized(64, False)
+    with pytest.raises(ValueError, match="fwd_warp_specialized"):
+        TileLangBackend(fwd_warp_specialized="yes")

@@ -239,13 +239,15 @@ class TileLangBackend:
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
                  fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = "auto",
-                 row_groups: bool | str = "auto"):
+                 row_groups: bool | str = "auto", fwd_warp_specialized: bool | str = "auto"):
         if fwd_block_16 not in (32, 64):
             raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
         if fwd_buckets_64 != "auto" and not (isinstance(fwd_buckets_64, int) and fwd_buckets_64 >= 1):
             raise ValueError(f"fwd_buckets_64: an int >= 1 or 'auto', got {fwd_buckets_64!r}")
         if row_groups not in (True, False, "auto"):
             raise ValueError(f"row_groups: True, False or 'auto', got {row_groups!r}")
+        if fwd_warp_specialized not in (True, False, "auto"):
+            raise ValueError(f"fwd_warp_specialized: True, False or 'auto', got {fwd_warp_specialized!r}")
         self.safe = safe
         # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
         # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
@@ -267,6 +269,11 @@ class TileLangBackend:
         # counted call's entries vs slots, see _RowGroupChoice); not with deterministic or safe=False
         self.row_groups = row_groups
         self._row_group_choice: dict[tuple, _RowGroupChoice] = {}
+        # the warp-specialised forward (``sparse_mla_fwd_ws_kernel``: gathers in flight while the
+        # MMAs run, one launch whose loop stops at each row's last block) for 64-row tiles: "auto"
+        # (default) for >= 64 heads per kv group (W2 H64: 3.28 vs 4.67 ms, same run), not for row
+        # groups (W2 H8: 1.12 vs 0.97 ms); True: for row groups too; False: never
+        self.fwd_warp_specialized = fwd_warp_specialized
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
 
@@ -373,7 +380,8 @@ class TileLangBackend:
         hg_pad = group_heads if use_groups else padded_heads_per_group(hg, self.fwd_min_heads)
         block = self._fwd_block(hg_pad)
         n_blocks = padded_topk(indices.shape[-1]) // block
-        buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
+        ws = self._warp_specialized(hg_pad, use_groups)
+        buckets_64, counts, last = (1, None, None) if ws else self._plan_64(indices, hg_pad, n_blocks, q.device)
         saved = self.save(kv, indices, index_flag, block_counts=counts, block=block)
         if use_groups or count_into is not None:  # (counting builds the lists in one-row calls too)
             lists = group_keys(saved[1], kv.shape[1], group_rows)
@@ -389,11 +397,19 @@ class TileLangBackend:
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
         if T > 0:
             for kernel in self.forward_kernels(Hp, d_v, Dqk - d_v, idx.shape[-1], G, sm_scale, hg_pad, buckets_64,
-                                               rows_per_block=R):
+                                               rows_per_block=R, warp_specialized=ws):
                 kernel(qp, kv_k, keys, ext, members, out, lse)
         if last is not None:
             last.record(counts)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
+
+    def _warp_specialized(self, hg_pad: int, row_groups: bool) -> bool:
+        """Whether a forward with these head tiles runs ``sparse_mla_fwd_ws_kernel`` (64-row tiles)."""
+        if not self.safe or self.fwd_warp_specialized is False:
+            return False
+        if row_groups:
+            return self.fwd_warp_specialized is True
+        return hg_pad >= 64
 
     def _fwd_block(self, hg_pad: int) -> int:
         """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``
@@ -403,14 +419,19 @@ class TileLangBackend:
         return self.fwd_block_16 if hg_pad == 16 else BLOCK_TOPK
 
     def forward_kernels(self, Hp: int, d_v: int, d_tail: int, k_pad: int, G: int, sm_scale: float, hg_pad: int,
-                        buckets_64: int, target: str | None = None, rows_per_block: int = 1) -> list:
+                        buckets_64: int, target: str | None = None, rows_per_block: int = 1,
+                        warp_specialized: bool = False) -> list:
         """The forward's kernels for one launch plan (``forward_launches``), in launch order.
         The first time a plan is asked for, its kernels are built in parallel threads (TileLang
         compiles outside the GIL): the call that first switches a shape to 8 single-stage row
         buckets builds them at once, not one after another. ``target``: build only (CPU tests).
-        ``rows_per_block`` > 1: one launch over every row group's own number of blocks."""
-        from .tilelang_kernels import sparse_mla_fwd_kernel
+        ``rows_per_block`` > 1: one launch over every row group's own number of blocks.
+        ``warp_specialized``: the one launch of ``sparse_mla_fwd_ws_kernel`` (64-row tiles)."""
+        from .tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
 
+        if warp_specialized:
+            return [sparse_mla_fwd_ws_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), rows_per_block=rows_per_block,
+                                             **({} if target is None else {"target": target}))]
         if rows_per_block > 1:
             return [sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self.safe, num_stages=1,
                                           select_in_kernel=self.fwd_select_in_kernel, rows_per_block=rows_per_block,

@@ -29,6 +29,7 @@ other rows of its block as well (0 * NaN); the guard repairs them like any other
 
 
 import functools
+from types import SimpleNamespace
 
 import tilelang
 from tilelang import language as T
@@ -267,6 +268,216 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                         if s * R + h // hg < S:
                             Lse[b, s * R + h // hg, h0 + h % hg] = row_sum[h]
 
+
+    return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
+
+
+@functools.lru_cache(maxsize=None)
+def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda"):
+    """Warp-specialised forward for 64-row tiles (hg a multiple of 64, or row groups with
+    R * hg = 64); the same tensors and results as ``sparse_mla_fwd_kernel`` in safe mode (indices
+    host-rewritten to [0, T_kv] with the zero sentinel row T_kv, gathered as they are, like
+    ``select_in_kernel=False``).
+
+    384 threads in three warpgroups. Warpgroup 2 gathers the kv rows of the next blocks with
+    cp.async into two buffers (an mbarrier per buffer says "full", another "free"). Warpgroup 0
+    computes the scores, the online softmax and out[:, :d_v/2]; warpgroup 1 computes
+    out[:, d_v/2:] from the probabilities warpgroup 0 leaves in shared memory. So gathers of
+    block i + 1 overlap the MMAs of block i, and the two halves of the output accumulator
+    (64 x d_v fp32) live in two warpgroups' registers. The loop runs the row's (group's) own
+    blocks, a dynamic count, in pairs; the second block of an odd last pair gathers the block
+    min(nb, NI - 1) again (in bounds) and is fully masked."""
+    R = rows_per_block
+    assert heads % kv_group == 0 and topk % BLOCK_TOPK == 0 and d_tail == 64 and d_v % 128 == 0
+    hg = heads // kv_group
+    h_blk, rep = row_group_geometry(hg, R)
+    assert h_blk == 64, "the warp-specialised forward runs 64-row tiles"
+    D, DT, BI = d_v, d_tail, BLOCK_TOPK
+    DH = D // 2
+    K = topk * R  # slots (R > 1: entries) per list
+    NI = K // BI
+    scale2 = float(sm_scale) * LOG2E
+    dtype, acc = T.bfloat16, T.float32
+    B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
+    NG = S if R == 1 else T.dynamic("row_groups")
+    n_kv = SKV1 - 1
+    load_rows, _, attends = _row_group_access(R, hg)
+
+    # the three roles' per-block steps; ``w`` holds the block's buffers and scalars
+    @T.macro
+    def gather(w, blk, kv_l, kv_r, kt, full):
+        # explicit cp.async, 8 threads per kv row (16 bytes each), 16 rows per pass; the mbarrier
+        # arrival fires when this thread's copies land. (A T.Parallel copy would make TileLang
+        # 0.1.15 insert partial barriers that reuse warpgroup 0's barrier id.) An odd last block
+        # (blk == nb) re-reads block min(blk, NI - 1), which is in bounds; the scores mask it.
+        tp = w.tx - 256
+        blk_c = T.min(blk, NI - 1)
+        for rr in T.serial(BI // 16):
+            e = rr * 16 + tp // 8
+            key = w.Indices[w.b, w.s, w.g, blk_c * BI + e]
+            c = tp % 8 * 8
+            for u in T.unroll(DH // 64):
+                T.ptx_cp_async(T.access_ptr(kv_l[e, u * 64 + c], "w", 8),
+                               T.access_ptr(w.KV[w.b, key, w.g, u * 64 + c], "r", 8), 8)
+                T.ptx_cp_async(T.access_ptr(kv_r[e, u * 64 + c], "w", 8),
+                               T.access_ptr(w.KV[w.b, key, w.g, DH + u * 64 + c], "r", 8), 8)
+            T.ptx_cp_async(T.access_ptr(kt[e, c], "w", 8), T.access_ptr(w.KV[w.b, key, w.g, D + c], "r", 8), 8)
+        T.cp_async_barrier_noinc(full)
+
+    @T.macro
+    def scores(w, blk, kv_l, kv_r, kt, full, free, parity):
+        T.barrier_wait(full, parity)
+        for j in T.Parallel(BI):
+            if R == 1:
+                w.valid[j] = (blk < w.nb) & valid_slot(w.Indices[w.b, w.s, w.g, T.min(blk, NI - 1) * BI + j], n_kv)
+            else:
+                w.valid[j] = T.if_then_else(
+                    blk < w.nb, T.cast(w.Members[w.b, w.s, w.g, T.min(blk, NI - 1) * BI + j], T.int32), 0)
+        for h, j in T.Parallel(h_blk, BI):
+            w.acc_s[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
+        T.gemm(w.q_l, kv_l, w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(w.q_r, kv_r, w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(w.q_t, kt, w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        if blk > 0:  # warpgroup 1 has read the previous block's p_s / alpha_s
+            T.barrier_arrive(w.p_free)
+            T.barrier_wait(w.p_free, (blk & 1) ^ 1)
+        T.copy(w.m, w.m_prev)
+        T.reduce_max(w.acc_s, w.m, dim=1, clear=False)
+        for h in T.Parallel(h_blk):
+            w.m[h] = T.max(w.m[h], w.m_prev[h])
+            w.alpha[h] = T.exp2((w.m_prev[h] - w.m[h]) * scale2)
+        for h, j in T.Parallel(h_blk, BI):
+            w.acc_s[h, j] = T.exp2(w.acc_s[h, j] * scale2 - w.m[h] * scale2)
+        T.reduce_sum(w.acc_s, w.blk_sum, dim=1)
+        for h in T.Parallel(h_blk):
+            w.row_sum[h] = w.row_sum[h] * w.alpha[h] + w.blk_sum[h]
+            w.alpha_s[h] = w.alpha[h]
+        for h, d in T.Parallel(h_blk, DH):
+            w.acc_o_l[h, d] = w.acc_o_l[h, d] * w.alpha[h]
+        T.copy(w.acc_s, w.p_s)
+        T.gemm(w.p_s, kv_l, w.acc_o_l, policy=T.GemmWarpPolicy.FullRow)
+        T.barrier_arrive(w.p_full)
+        T.barrier_arrive(free)
+
+    @T.macro
+    def values(w, blk, kv_r, free):
+        T.barrier_arrive(w.p_full)
+        T.barrier_wait(w.p_full, blk & 1)
+        for h, d in T.Parallel(h_blk, DH):
+            w.acc_o_r[h, d] = w.acc_o_r[h, d] * w.alpha_s[h]
+        T.gemm(w.p_s, kv_r, w.acc_o_r, policy=T.GemmWarpPolicy.FullRow)
+        T.barrier_arrive(free)
+        if blk < w.pairs * 2 - 1:
+            T.barrier_arrive(w.p_free)
+
+    @T.prim_func
+    def fwd(
+        Q: T.Tensor([B, S, heads, D + DT], dtype),
+        KV: T.Tensor([B, SKV1, kv_group, D + DT], dtype),
+        Indices: T.Tensor([B, NG, kv_group, K], T.int32),
+        Extent: T.Tensor([B, NG, kv_group], T.int32),
+        Members: T.Tensor([B, NG, kv_group, K], members_dtype(R)),
+        Out: T.Tensor([B, S, heads, D], dtype),
+        Lse: T.Tensor([B, S, heads], acc),
+    ):
+        with T.Kernel(NG * rep, B, kv_group, threads=384) as (bx, b, g):
+            q_l = T.alloc_shared([h_blk, DH], dtype)
+            q_r = T.alloc_shared([h_blk, DH], dtype)
+            q_t = T.alloc_shared([h_blk, DT], dtype)
+            kv0_l = T.alloc_shared([BI, DH], dtype)
+            kv0_r = T.alloc_shared([BI, DH], dtype)
+            kt0 = T.alloc_shared([BI, DT], dtype)
+            kv1_l = T.alloc_shared([BI, DH], dtype)
+            kv1_r = T.alloc_shared([BI, DH], dtype)
+            kt1 = T.alloc_shared([BI, DT], dtype)
+            p_s = T.alloc_shared([h_blk, BI], dtype)
+            alpha_s = T.alloc_shared([h_blk], acc)
+            sum_s = T.alloc_shared([h_blk], acc)
+            valid = T.alloc_fragment([BI], "bool" if R == 1 else T.int32)  # R > 1: member bits
+            acc_o_l = T.alloc_fragment([h_blk, DH], acc)
+            acc_o_r = T.alloc_fragment([h_blk, DH], acc)
+            acc_s = T.alloc_fragment([h_blk, BI], acc)
+            row_sum = T.alloc_fragment([h_blk], acc)
+            blk_sum = T.alloc_fragment([h_blk], acc)
+            alpha = T.alloc_fragment([h_blk], acc)
+            m = T.alloc_fragment([h_blk], acc)
+            m_prev = T.alloc_fragment([h_blk], acc)
+            full0 = T.alloc_barrier(arrive_count=128)  # the gatherers' cp.async landed
+            full1 = T.alloc_barrier(arrive_count=128)
+            free0 = T.alloc_barrier(arrive_count=256)  # both consumers are done with the buffer
+            free1 = T.alloc_barrier(arrive_count=256)
+            p_full = T.alloc_barrier(arrive_count=256)  # p_s / alpha_s hold this block's values
+            p_free = T.alloc_barrier(arrive_count=256)  # warpgroup 1 is done with them
+            sum_full = T.alloc_barrier(arrive_count=256)  # sum_s holds the row sums
+
+            s = bx // rep if R == 1 else NG - 1 - bx  # R > 1: last group first (as the other kernels)
+            h0 = g * hg + (bx % rep) * h_blk
+            nb = T.min(slot_blocks(Extent[b, s, g], BI), NI)
+            pairs = (nb + 1) // 2
+            tx = T.get_thread_binding()
+            for h, d in T.Parallel(h_blk, DH):
+                q_l[h, d] = load_rows(Q, b, s, h0, h, d, S)
+                q_r[h, d] = load_rows(Q, b, s, h0, h, DH + d, S)
+            for h, d in T.Parallel(h_blk, DT):
+                q_t[h, d] = load_rows(Q, b, s, h0, h, D + d, S)
+            T.sync_threads()
+            w = SimpleNamespace(tx=tx, nb=nb, pairs=pairs, Indices=Indices, Members=Members, KV=KV, b=b, s=s,
+                                g=g, valid=valid, acc_s=acc_s, q_l=q_l, q_r=q_r, q_t=q_t, p_s=p_s, p_full=p_full,
+                                p_free=p_free, m=m, m_prev=m_prev, alpha=alpha, blk_sum=blk_sum, row_sum=row_sum,
+                                alpha_s=alpha_s, acc_o_l=acc_o_l, acc_o_r=acc_o_r)
+            if tx < 128:
+                T.set_max_nreg(240, 1)
+                T.fill(acc_o_l, 0)
+                T.fill(row_sum, 0)
+                T.fill(m, _MASK_INIT)
+                for i in T.serial(pairs):
+                    scores(w, i * 2, kv0_l, kv0_r, kt0, full0, free0, i & 1)
+                    scores(w, i * 2 + 1, kv1_l, kv1_r, kt1, full1, free1, i & 1)
+                for h in T.Parallel(h_blk):
+                    sum_s[h] = row_sum[h]
+                T.barrier_arrive(sum_full)
+                # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE
+                for h, d in T.Parallel(h_blk, DH):
+                    acc_o_l[h, d] = T.if_then_else(row_sum[h] > 0, acc_o_l[h, d] / row_sum[h], 0)
+                for h in T.Parallel(h_blk):
+                    row_sum[h] = T.if_then_else(row_sum[h] > 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2,
+                                                EMPTY_ROW_LSE)
+                if R == 1:
+                    for h, d in T.Parallel(h_blk, DH):
+                        Out[b, s, h0 + h, d] = acc_o_l[h, d]
+                    for h in T.Parallel(h_blk):
+                        Lse[b, s, h0 + h] = row_sum[h]
+                else:
+                    for h, d in T.Parallel(h_blk, DH):
+                        if s * R + h // hg < S:
+                            Out[b, s * R + h // hg, h0 + h % hg, d] = acc_o_l[h, d]
+                    for h in T.Parallel(h_blk):
+                        if s * R + h // hg < S:
+                            Lse[b, s * R + h // hg, h0 + h % hg] = row_sum[h]
+            elif tx < 256:
+                T.set_max_nreg(168, 1)
+                T.fill(acc_o_r, 0)
+                for i in T.serial(pairs):
+                    values(w, i * 2, kv0_r, free0)
+                    values(w, i * 2 + 1, kv1_r, free1)
+                T.barrier_arrive(sum_full)
+                T.barrier_wait(sum_full, 0)
+                for h, d in T.Parallel(h_blk, DH):
+                    acc_o_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_o_r[h, d] / sum_s[h], 0)
+                if R == 1:
+                    for h, d in T.Parallel(h_blk, DH):
+                        Out[b, s, h0 + h, DH + d] = acc_o_r[h, d]
+                else:
+                    for h, d in T.Parallel(h_blk, DH):
+                        if s * R + h // hg < S:
+                            Out[b, s * R + h // hg, h0 + h % hg, DH + d] = acc_o_r[h, d]
+            elif tx >= 256:
+                T.set_max_nreg(80, 0)
+                for i in T.serial(pairs):
+                    T.barrier_wait(free0, (i & 1) ^ 1)
+                    gather(w, i * 2, kv0_l, kv0_r, kt0, full0)
+                    T.barrier_wait(free1, (i & 1) ^ 1)
+                    gather(w, i * 2 + 1, kv1_l, kv1_r, kt1, full1)
 
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
 
