@@ -134,6 +134,11 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
     src = k.get_kernel_source()
     assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM
     assert "cp_async_gs<16>" in src and "warpgroup_reg_dealloc<80>" in src and "wgmma" in src
+    # TileLang's automatic partial barriers must stay in the softmax warpgroup: one in the value
+    # or gather warpgroup got the same hardware barrier id (bar.sync 3, 128) and the kernel hung
+    roles = src.index("warpgroup_reg_alloc<240>"), src.index("warpgroup_reg_alloc<168>")
+    assert roles[0] < roles[1] and "__sync_thread_partial" not in src[roles[1]:]
+    assert "__sync_thread_partial" not in src[:roles[0]]
 
 
 def test_warp_specialized_forward_choice():
