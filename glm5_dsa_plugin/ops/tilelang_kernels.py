@@ -19,6 +19,10 @@ Fixes over the vendored copies (each applies when ``safe=True``, the only mode t
   * the aggressive shared-memory merge is explicitly off: in 0.1.9-0.1.10 it aliased the dKV
     staging buffer with the live Q tile and produced NaN dq/dkv from finite inputs.
 
+Kernels: ``sparse_mla_fwd_kernel`` (one warpgroup; 16/32-row head tiles, row groups, and any tile
+when asked), ``sparse_mla_fwd_ws_kernel`` (warp-specialised: a gather warpgroup feeding two MMA
+warpgroups; the backend's default for 64-row tiles of one query row) and ``sparse_mla_bwd_kernel``.
+
 Conventions: the kernels read/write natural-log lse [B, T, H] fp32 and use log2 internally.
 Head layout: ``heads = G * Hg`` where ``Hg`` (heads per kv group) is 16, 32, 64 or a multiple of 64
 (one query row per block), or 8, 16, 32 with ``rows_per_block`` = 64 / Hg (row groups: see
