@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 tilelang = pytest.importorskip("tilelang")
 SM90 = json.dumps({"kind": "cuda", "arch": "sm_90"})
@@ -156,3 +157,13 @@ def test_warp_specialized_forward_choice():
     assert not TileLangBackend(safe=False)._warp_specialized(64, False)
     with pytest.raises(ValueError, match="fwd_warp_specialized"):
         TileLangBackend(fwd_warp_specialized="yes")
+
+
+def test_warp_specialized_forward_has_no_bucket_plan():
+    """A shape on the warp-specialised forward neither counts rows nor asks for row buckets, even
+    with ``fwd_buckets_64`` set; with it off, the 64-row plan is the classic one."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    idx = torch.zeros(1, 8, 1, 2048, dtype=torch.int32)
+    assert TileLangBackend(fwd_buckets_64=8)._plan_64(idx, 64, 32, "cpu") == (1, None, None)
+    assert TileLangBackend(fwd_buckets_64=8, fwd_warp_specialized=False)._plan_64(idx, 64, 32, "cpu") == (8, None, None)

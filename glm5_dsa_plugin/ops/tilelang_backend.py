@@ -381,7 +381,7 @@ class TileLangBackend:
         block = self._fwd_block(hg_pad)
         n_blocks = padded_topk(indices.shape[-1]) // block
         ws = self._warp_specialized(hg_pad, use_groups)
-        buckets_64, counts, last = (1, None, None) if ws else self._plan_64(indices, hg_pad, n_blocks, q.device)
+        buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
         saved = self.save(kv, indices, index_flag, block_counts=counts, block=block)
         if use_groups or count_into is not None:  # (counting builds the lists in one-row calls too)
             lists = group_keys(saved[1], kv.shape[1], group_rows)
@@ -464,7 +464,10 @@ class TileLangBackend:
         """-> (buckets_64 for this call, zeroed row-count buffer to fill or None, its
         ``_BlockCountsOfLastCall`` or None). Counting runs only for ``fwd_buckets_64="auto"`` on
         64-row tiles with topk >= 8 blocks and nonempty input, outside CUDA graph capture (no
-        event queries or host copies there)."""
+        event queries or host copies there), and never for the warp-specialised forward (it has no
+        plan: one launch whose loop stops at each row's last block)."""
+        if self._warp_specialized(hg_pad, row_groups=False):
+            return 1, None, None
         if self.fwd_buckets_64 != "auto":
             return self.fwd_buckets_64, None, None
         if (hg_pad < 64 or n_blocks < 8 or indices.shape[1] == 0 or not self.safe
