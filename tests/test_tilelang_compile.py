@@ -143,20 +143,17 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
 
 
 def test_warp_specialized_forward_choice():
-    """``fwd_warp_specialized``: "auto" (default) runs it for one-row 64-row tiles (>= 64 heads per
-    kv group) only, True for row groups too, False never; safe=False (fix-cost measurement) never;
-    any other value is an error."""
+    """``fwd_warp_specialized`` (default True) runs it for every 64-row tile: >= 64 heads per kv
+    group, and row groups; 16/32-row tiles never; False never; safe=False (fix-cost measurement)
+    never; a non-bool is an error."""
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
     cases = [(64, False), (128, False), (32, False), (16, False), (8, True), (16, True)]
-    want = {"auto": [True, True, False, False, False, False], True: [True, True, False, False, True, True],
-            False: [False] * 6}
-    for setting, expected in want.items():
-        be = TileLangBackend(fwd_warp_specialized=setting)
-        assert [be._warp_specialized(h, rg) for h, rg in cases] == expected, setting
+    assert [TileLangBackend()._warp_specialized(h, rg) for h, rg in cases] == [True, True, False, False, True, True]
+    assert not any(TileLangBackend(fwd_warp_specialized=False)._warp_specialized(h, rg) for h, rg in cases)
     assert not TileLangBackend(safe=False)._warp_specialized(64, False)
     with pytest.raises(ValueError, match="fwd_warp_specialized"):
-        TileLangBackend(fwd_warp_specialized="yes")
+        TileLangBackend(fwd_warp_specialized="auto")
 
 
 def test_warp_specialized_forward_has_no_bucket_plan():

@@ -239,15 +239,15 @@ class TileLangBackend:
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
                  fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = "auto",
-                 row_groups: bool | str = "auto", fwd_warp_specialized: bool | str = "auto"):
+                 row_groups: bool | str = "auto", fwd_warp_specialized: bool = True):
         if fwd_block_16 not in (32, 64):
             raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
         if fwd_buckets_64 != "auto" and not (isinstance(fwd_buckets_64, int) and fwd_buckets_64 >= 1):
             raise ValueError(f"fwd_buckets_64: an int >= 1 or 'auto', got {fwd_buckets_64!r}")
         if row_groups not in (True, False, "auto"):
             raise ValueError(f"row_groups: True, False or 'auto', got {row_groups!r}")
-        if fwd_warp_specialized not in (True, False, "auto"):
-            raise ValueError(f"fwd_warp_specialized: True, False or 'auto', got {fwd_warp_specialized!r}")
+        if not isinstance(fwd_warp_specialized, bool):
+            raise ValueError(f"fwd_warp_specialized: True or False, got {fwd_warp_specialized!r}")
         self.safe = safe
         # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
         # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
@@ -270,9 +270,10 @@ class TileLangBackend:
         self.row_groups = row_groups
         self._row_group_choice: dict[tuple, _RowGroupChoice] = {}
         # the warp-specialised forward (``sparse_mla_fwd_ws_kernel``: gathers in flight while the
-        # MMAs run, one launch whose loop stops at each row's last block) for 64-row tiles: "auto"
-        # (default) for >= 64 heads per kv group (W2 H64: 3.28 vs 4.67 ms, same run), not for row
-        # groups (W2 H8: 1.12 vs 0.97 ms); True: for row groups too; False: never
+        # MMAs run, one launch whose loop stops at each row's last block) for every 64-row tile
+        # (>= 64 heads per kv group, and row groups); False: the single-warpgroup kernel. Same-run
+        # forward, v10: W2 H64 2.96 vs 4.41 ms, W1 H64 3.44 vs 3.75, row groups W2 H8 0.69 vs 0.72,
+        # H16 1.21 vs 1.25
         self.fwd_warp_specialized = fwd_warp_specialized
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
@@ -405,11 +406,7 @@ class TileLangBackend:
 
     def _warp_specialized(self, hg_pad: int, row_groups: bool) -> bool:
         """Whether a forward with these head tiles runs ``sparse_mla_fwd_ws_kernel`` (64-row tiles)."""
-        if not self.safe or self.fwd_warp_specialized is False:
-            return False
-        if row_groups:
-            return self.fwd_warp_specialized is True
-        return hg_pad >= 64
+        return self.safe and self.fwd_warp_specialized and (row_groups or hg_pad >= 64)
 
     def _fwd_block(self, hg_pad: int) -> int:
         """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``
