@@ -271,9 +271,9 @@ class TileLangBackend:
         self._row_group_choice: dict[tuple, _RowGroupChoice] = {}
         # the warp-specialised forward (``sparse_mla_fwd_ws_kernel``: gathers in flight while the
         # MMAs run, one launch whose loop stops at each row's last block) for every 64-row tile
-        # (>= 64 heads per kv group, and row groups); False: the single-warpgroup kernel. Same-run
-        # forward, v10: W2 H64 2.96 vs 4.41 ms, W1 H64 3.44 vs 3.75, row groups W2 H8 0.69 vs 0.72,
-        # H16 1.21 vs 1.25
+        # (>= 64 heads per kv group, and row groups); False: the single-warpgroup kernel. Forward
+        # through the op, same run (v10): W2 H64 3.41 vs 4.14 ms, row groups W2 H8 1.04 vs 1.13,
+        # H16 1.53 vs 1.61
         self.fwd_warp_specialized = fwd_warp_specialized
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
