@@ -49,27 +49,19 @@ def make_impls(has_mcore):
         "ours_novalidate": lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang", validate=False),
     }
     # 64-row tiles (H64, and row groups at H8/H16) run the warp-specialised forward by default;
-    # "ours_classic" is the previous default forward (single warpgroup; H64: the 64-row plan chosen
-    # per call from row counts, its bucket kernels built up front), measured in the same run
-    try:
-        from glm5_dsa_plugin.ops.backends import register_backend
-        from glm5_dsa_plugin.ops.tilelang_backend import AUTO_BUCKETS_64, TileLangBackend
-
-        TileLangBackend().forward_kernels(64, D_V, 64, 2048, 1, SCALE, 64, AUTO_BUCKETS_64)
-        register_backend("tilelang_classic", lambda: TileLangBackend(fwd_warp_specialized=False), replace=True)
-        impls["ours_classic"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_classic")
-    except Exception as exc:  # noqa: BLE001 - an option failing to build is a result, not a crash
-        print(f"bucket precompile / ours_classic unavailable: {type(exc).__name__}: {exc}")
-    # < 64 heads: the default runs row groups (R = 64 / hg rows per block over their keys' union);
-    # "ours_r1" is one query row per block, the previous default, in the same run
+    # "ours_classic" is the single-warpgroup forward (H64: the 64-row plan chosen per call from row
+    # counts). < 64 heads: the default runs row groups (R = 64 / hg rows per block over their keys'
+    # union); "ours_r1" is one query row per block. Both measured in the same run
     try:
         from glm5_dsa_plugin.ops.backends import register_backend
         from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
+        register_backend("tilelang_classic", lambda: TileLangBackend(fwd_warp_specialized=False), replace=True)
         register_backend("tilelang_r1", lambda: TileLangBackend(row_groups=False), replace=True)
+        impls["ours_classic"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_classic")
         impls["ours_r1"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_r1")
-    except Exception as exc:  # noqa: BLE001
-        print(f"ours_r1 unavailable: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - an option failing to load is a result, not a crash
+        print(f"ours_classic / ours_r1 unavailable: {type(exc).__name__}: {exc}")
     if has_mcore:
         from megatron.core.transformer.experimental_attention_variant.ops.sparse_mla import SparseMLA
 
@@ -78,14 +70,16 @@ def make_impls(has_mcore):
     return impls
 
 
-def prebuild(impls, heads, deterministic=True):
+def prebuild(impls, heads, extras=True):
     """Run every timed path once on tiny inputs (T=64, the benchmark's topk 2048), one thread per
     (impl, H), so their kernels compile in parallel (TileLang builds outside the GIL; on a cold
-    kernel cache the serial builds alone outrun a 10-minute device call). -> seconds taken."""
+    kernel cache the serial builds alone outrun a 10-minute device call). Also builds the
+    single-warpgroup forward's row-bucket plan (``ours_classic`` at H64 switches to it after its
+    first call) and, with ``extras``, the deterministic and fix-cost paths. -> seconds taken."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang_backend import AUTO_BUCKETS_64, TileLangBackend
 
     def run(job):
         try:
@@ -98,6 +92,9 @@ def prebuild(impls, heads, deterministic=True):
         q = torch.randn(64, H, 576, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         kv = torch.randn(64, 1, 576, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         idx = w2_indices(64, 2048, g)
+        if name == "bucket_plan":  # (forward_kernels builds a plan's kernels in parallel itself)
+            TileLangBackend().forward_kernels(H, D_V, 64, 2048, 1, SCALE, H, AUTO_BUCKETS_64)
+            return
         if name == "deterministic":
             out = sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang", deterministic=True)[0]
         elif name == "unsafe":  # the fix-cost rows' kernels
@@ -111,7 +108,8 @@ def prebuild(impls, heads, deterministic=True):
         out.float().sum().backward()
 
     jobs = [(n, H) for n in impls if n != "reference" for H in heads if not (n == "ours_r1" and H >= 64)]
-    jobs += [("deterministic", 64), ("unsafe", 64)] if deterministic else []
+    jobs += [("bucket_plan", 64)] if "ours_classic" in impls and 64 in heads else []
+    jobs += [("deterministic", 64), ("unsafe", 64)] if extras else []
     t0 = time.time()
     with ThreadPoolExecutor(len(jobs)) as pool:
         list(pool.map(run, jobs))
@@ -279,7 +277,8 @@ def main():
     ref_pairs = {tuple(p.split(":")) for p in args.reference.split(",") if p}
     rows, extra = [], {}
     heads = [int(h) for h in args.heads.split(",")]
-    extra["prebuild_s"] = prebuild(impls, heads if not args.guard_only else [64], deterministic=not args.kernels_only)
+    extra["prebuild_s"] = (prebuild({"ours": impls["ours"]}, [64]) if args.guard_only
+                           else prebuild(impls, heads, extras=not args.kernels_only))
     print(f"kernels built in {extra['prebuild_s']:.0f} s", flush=True)
     for wl in [] if args.guard_only else args.workloads.split(","):
         T, T_kv = (4096, 8192) if wl == "W1" else (4096, 4096)

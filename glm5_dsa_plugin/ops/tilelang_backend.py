@@ -426,13 +426,14 @@ class TileLangBackend:
         ``warp_specialized``: the one launch of ``sparse_mla_fwd_ws_kernel`` (64-row tiles)."""
         from .tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
 
+        to = {} if target is None else {"target": target}
         if warp_specialized:
             return [sparse_mla_fwd_ws_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), rows_per_block=rows_per_block,
-                                             **({} if target is None else {"target": target}))]
+                                             **to)]
         if rows_per_block > 1:
             return [sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self.safe, num_stages=1,
                                           select_in_kernel=self.fwd_select_in_kernel, rows_per_block=rows_per_block,
-                                          **({} if target is None else {"target": target}))]
+                                          **to)]
         small = hg_pad == 16
         block = self._fwd_block(hg_pad)
         n_blocks = k_pad // block
@@ -444,8 +445,7 @@ class TileLangBackend:
                                          block_i=block, num_stages=stages,
                                          threads=self.fwd_threads_16 if small else 256,
                                          select_in_kernel=self.fwd_select_in_kernel,
-                                         blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi),
-                                         **({} if target is None else {"target": target}))
+                                         blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi), **to)
 
         key = (Hp, d_v, d_tail, k_pad, G, float(sm_scale), hg_pad, buckets_64, target)
         if len(plan) > 1 and key not in self._built_plans:

@@ -21,7 +21,8 @@ Fixes over the vendored copies (each applies when ``safe=True``, the only mode t
 
 Kernels: ``sparse_mla_fwd_kernel`` (one warpgroup; 16/32-row head tiles, row groups, and any tile
 when asked), ``sparse_mla_fwd_ws_kernel`` (warp-specialised: a gather warpgroup feeding two MMA
-warpgroups; the backend's default for 64-row tiles of one query row) and ``sparse_mla_bwd_kernel``.
+warpgroups; the backend's default for every 64-row tile, row groups included) and
+``sparse_mla_bwd_kernel``.
 
 Conventions: the kernels read/write natural-log lse [B, T, H] fp32 and use log2 internally.
 Head layout: ``heads = G * Hg`` where ``Hg`` (heads per kv group) is 16, 32, 64 or a multiple of 64
