@@ -6,8 +6,8 @@ Workloads (bf16, Dqk=576, d_v=512, G=1, topk=2048):
   W2: T=T_kv=4096, row t = random permutation of min(t+1, 2048) keys in [0, t] then -1; rows 0, 7, 2000 empty.
 Writes ``$OUT/bench_sparse_mla.json`` (rows: workload, H, impl, fwd_ms, fwd_bwd_ms, fwd_tflops,
 bwd_tflops, peak_gib, rel errors) and a PNG chart when matplotlib is present; prints a table last.
-Rows: ours (defaults), ours_novalidate, ours_classic (the previous default forward: no warp specialisation), ours_r1
-(H < 64: one query row per block, no row groups), mcore, reference. ``--kernels-only``: the rows
+Rows: ours (defaults), ours_novalidate, ours_classic (no warp specialisation in either direction: the
+session-7 kernels), ours_r1 (H < 64: one query row per block, no row groups), mcore, reference. ``--kernels-only``: the rows
 and the row groups' list figures only (``bench_sparse_mla_kernels.json``).
 """
 
@@ -48,15 +48,17 @@ def make_impls(has_mcore):
         "ours": lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang"),
         "ours_novalidate": lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang", validate=False),
     }
-    # 64-row tiles (H64, and row groups at H8/H16) run the warp-specialised forward by default;
-    # "ours_classic" is the single-warpgroup forward (H64: the 64-row plan chosen per call from row
-    # counts). < 64 heads: the default runs row groups (R = 64 / hg rows per block over their keys'
+    # 64-row tiles (H64, and row groups at H8/H16) run the warp-specialised forward and backward by
+    # default; "ours_classic" is the single-warpgroup kernels (H64 forward: the 64-row plan chosen
+    # per call from row counts). < 64 heads: the default runs row groups (R = 64 / hg rows per block over their keys'
     # union); "ours_r1" is one query row per block. Both measured in the same run
     try:
         from glm5_dsa_plugin.ops.backends import register_backend
         from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
-        register_backend("tilelang_classic", lambda: TileLangBackend(fwd_warp_specialized=False), replace=True)
+        register_backend("tilelang_classic", lambda: TileLangBackend(fwd_warp_specialized=False,
+                                                                      bwd_warp_specialized=False),
+                         replace=True)
         register_backend("tilelang_r1", lambda: TileLangBackend(row_groups=False), replace=True)
         impls["ours_classic"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_classic")
         impls["ours_r1"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_r1")
@@ -119,11 +121,12 @@ def prebuild(impls, heads, extras=True):
 
 def fix_cost(gen, idx, T, T_kv, H=64):
     """W1 backend forward / backward ms: the shipped default, and safe vs unsafe kernels of the same
-    (single-warpgroup) forward, i.e. what the padding / bounds fixes cost."""
+    (single-warpgroup) forward and backward, i.e. what the padding / bounds fixes cost."""
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
     out = {}
-    for label, be in (("default", TileLangBackend()), ("safe=True", TileLangBackend(fwd_warp_specialized=False)),
+    for label, be in (("default", TileLangBackend()), ("safe=True", TileLangBackend(fwd_warp_specialized=False,
+                                                                                     bwd_warp_specialized=False)),
                       ("safe=False", TileLangBackend(safe=False))):
         q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
         kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -113,7 +113,8 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
     idx = torch.randint(0, T_kv, (1, T, 1, 512), generator=gen, device="cuda", dtype=torch.int32)
     g = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     # the same (single-warpgroup) kernels with the fixes compiled in and out
-    safe, raw = TileLangBackend(safe=True, fwd_warp_specialized=False), TileLangBackend(safe=False)
+    safe = TileLangBackend(safe=True, fwd_warp_specialized=False, bwd_warp_specialized=False)
+    raw = TileLangBackend(safe=False)
     o1, l1 = safe.forward(q, kv, idx, SCALE, 512)
     o2, l2 = raw.forward(q, kv, idx, SCALE, 512)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
@@ -131,12 +132,13 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     forward runs the backend's own launch plan (H=16, topk 512: four row buckets; H=64 with
     ``fwd_buckets_64=8``: eight single-stage buckets), or R > 1: the row-group kernels over
     ``group_keys`` lists, with a last group that runs past the sequence (T = 301). ``ws``: the
-    warp-specialised forward instead (H64 with topk 192: an odd block count, so the last pair's
-    second block re-reads the last one)."""
+    warp-specialised forward and backward instead (H64 with topk 192: an odd count of the
+    forward's 64-slot blocks, so the last pair's second block re-reads the last one; the
+    backward's 32-slot blocks then number 6)."""
     from glm5_dsa_plugin.ops.row_groups import group_keys
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, forward_launches
-    from glm5_dsa_plugin.ops.tilelang_kernels import (sparse_mla_bwd_kernel, sparse_mla_fwd_kernel,
-                                                      sparse_mla_fwd_ws_kernel)
+    from glm5_dsa_plugin.ops.tilelang_kernels import (sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel,
+                                                      sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel)
     from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -187,8 +189,9 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     dkv_buf, dkv = guarded((1, T_kv + 1, 1, D), torch.float32, torch.zeros(1, T_kv + 1, 1, D, device="cuda"))
     do = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     # the backward reads out (for Delta) inside its guard region too
-    sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R)(q, kv, do, kidx, lse, out, extent, members,
-                                                                     dq, dkv)
+    bwd = (sparse_mla_bwd_ws_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R) if ws
+           else sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R))
+    bwd(q, kv, do, kidx, lse, out, extent, members, dq, dkv)
     torch.cuda.synchronize()
     for name, buf, inner in (("kv", kv_buf, kv), ("out", out_buf, out), ("lse", lse_buf, lse),
                              ("dq", dq_buf, dq), ("dkv", dkv_buf, dkv)):

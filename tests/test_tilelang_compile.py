@@ -142,6 +142,44 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
     assert "__sync_thread_partial" not in src[:roles[0]]
 
 
+@pytest.mark.parametrize("heads,R", [(64, 1), (128, 1), (8, 8), (16, 4), (32, 2)])
+def test_warp_specialized_backward_builds_and_fits(heads, R):
+    """The warp-specialised backward builds for sm_90a within 227 KiB; its gather/drain warpgroup
+    copies with cp.async and issues the dKV vector atomics; TileLang's partial barriers stay in
+    the MMA warpgroups; the three setmaxnreg counts fit the 3 x 168 registers per thread given
+    at launch (more, and setmaxnreg.inc waits forever: the first version hung that way)."""
+    import re
+
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+
+    k = sparse_mla_bwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
+    src = k.get_kernel_source()
+    assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM
+    (mma,) = re.findall(r"warpgroup_reg_alloc<(\d+)>", src)
+    (producer,) = re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)
+    assert 2 * int(mma) + int(producer) <= 3 * 168
+    drain = src.index("warpgroup_reg_dealloc")
+    assert "cp_async_gs<16>" in src[drain:] and "AtomicAddx4" in src[drain:] and "AtomicAdd" not in src[:drain]
+    assert "__sync_thread_partial" not in src[drain:] and "wgmma" in src[:drain]
+    assert ("Members" in src) == (R > 1)
+
+
+def test_warp_specialized_backward_choice():
+    """``bwd_warp_specialized`` (default True) runs it for every 64-row tile with atomic dKV:
+    >= 64 heads per kv group, and row groups; not for 16/32-row tiles, not when False, not in
+    deterministic mode, not with safe=False; a non-bool is an error."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    cases = [(64, False), (128, False), (32, False), (16, False), (8, True), (16, True)]
+    assert [TileLangBackend()._bwd_warp_specialized(h, rg) for h, rg in cases] == [True, True, False, False, True,
+                                                                                   True]
+    for be in (TileLangBackend(bwd_warp_specialized=False), TileLangBackend(deterministic=True),
+               TileLangBackend(safe=False)):
+        assert not any(be._bwd_warp_specialized(h, rg) for h, rg in cases)
+    with pytest.raises(ValueError, match="bwd_warp_specialized"):
+        TileLangBackend(bwd_warp_specialized=1)
+
+
 def test_warp_specialized_forward_choice():
     """``fwd_warp_specialized`` (default True) runs it for every 64-row tile: >= 64 heads per kv
     group, and row groups; 16/32-row tiles never; False never; safe=False (fix-cost measurement)

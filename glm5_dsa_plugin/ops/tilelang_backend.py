@@ -239,15 +239,18 @@ class TileLangBackend:
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
                  fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
                  fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = "auto",
-                 row_groups: bool | str = "auto", fwd_warp_specialized: bool = True):
+                 row_groups: bool | str = "auto", fwd_warp_specialized: bool = True,
+                 bwd_warp_specialized: bool = True):
         if fwd_block_16 not in (32, 64):
             raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
         if fwd_buckets_64 != "auto" and not (isinstance(fwd_buckets_64, int) and fwd_buckets_64 >= 1):
             raise ValueError(f"fwd_buckets_64: an int >= 1 or 'auto', got {fwd_buckets_64!r}")
         if row_groups not in (True, False, "auto"):
             raise ValueError(f"row_groups: True, False or 'auto', got {row_groups!r}")
-        if not isinstance(fwd_warp_specialized, bool):
-            raise ValueError(f"fwd_warp_specialized: True or False, got {fwd_warp_specialized!r}")
+        for flag, value in (("fwd_warp_specialized", fwd_warp_specialized),
+                            ("bwd_warp_specialized", bwd_warp_specialized)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag}: True or False, got {value!r}")
         self.safe = safe
         # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
         # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
@@ -275,6 +278,12 @@ class TileLangBackend:
         # through the op, same run (v10): W2 H64 3.41 vs 4.14 ms, row groups W2 H8 1.04 vs 1.13,
         # H16 1.53 vs 1.61
         self.fwd_warp_specialized = fwd_warp_specialized
+        # the warp-specialised backward (``sparse_mla_bwd_ws_kernel``: a third warpgroup gathers the
+        # next block and drains the dKV atomics while the MMAs run) for every 64-row tile with
+        # atomic dKV; False: ``sparse_mla_bwd_kernel``. Backward through the backend, same run (v11):
+        # W1 H64 13.58 vs 15.89 ms; whole op fwd+bwd against both kernels single-warpgroup (v11):
+        # W2 H64 13.83 vs 16.18, H16 (row groups) 5.06 vs 6.11, H8 2.89 vs 3.35
+        self.bwd_warp_specialized = bwd_warp_specialized
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
 
@@ -408,6 +417,11 @@ class TileLangBackend:
         """Whether a forward with these head tiles runs ``sparse_mla_fwd_ws_kernel`` (64-row tiles)."""
         return self.safe and self.fwd_warp_specialized and (row_groups or hg_pad >= 64)
 
+    def _bwd_warp_specialized(self, hg_pad: int, row_groups: bool) -> bool:
+        """Whether a backward with these head tiles runs ``sparse_mla_bwd_ws_kernel`` (64-row tiles,
+        atomic dKV: not in deterministic mode)."""
+        return self.safe and self.bwd_warp_specialized and not self.deterministic and (row_groups or hg_pad >= 64)
+
     def _fwd_block(self, hg_pad: int) -> int:
         """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``
         (row groups always run ``BLOCK_TOPK``; their plan needs no block count)."""
@@ -482,7 +496,7 @@ class TileLangBackend:
     def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v, nonfinite_flag=None):
         """-> (dq, dkv) from :meth:`save`'s tensors; ``nonfinite_flag`` (int32 [1], device) becomes
         nonzero when dq or dkv holds NaN/inf (checked in the dKV conversion pass, no extra launch)."""
-        from .tilelang_kernels import sparse_mla_bwd_kernel
+        from .tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
 
         self._check(q, saved[0], d_v)
         kv_k, idx, extent = saved[:3]
@@ -501,8 +515,12 @@ class TileLangBackend:
             dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad,
                                                    sm_scale, d_v)
         else:
-            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
-                                           **({"rows_per_block": R} if R > 1 else {}))
+            if self._bwd_warp_specialized(hg_pad, R > 1):
+                kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale),
+                                                  rows_per_block=R)
+            else:
+                kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
+                                               **({"rows_per_block": R} if R > 1 else {}))
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
             if T > 0:

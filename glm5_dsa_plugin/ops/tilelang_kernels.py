@@ -21,8 +21,10 @@ Fixes over the vendored copies (each applies when ``safe=True``, the only mode t
 
 Kernels: ``sparse_mla_fwd_kernel`` (one warpgroup; 16/32-row head tiles, row groups, and any tile
 when asked), ``sparse_mla_fwd_ws_kernel`` (warp-specialised: a gather warpgroup feeding two MMA
-warpgroups; the backend's default for every 64-row tile, row groups included) and
-``sparse_mla_bwd_kernel``.
+warpgroups; the backend's default for every 64-row tile, row groups included),
+``sparse_mla_bwd_kernel`` (16/32-row tiles, deterministic mode, safe=False) and
+``sparse_mla_bwd_ws_kernel`` (warp-specialised: a warpgroup that gathers the next block and drains
+the dKV atomics beside two MMA warpgroups; the default for every 64-row tile with atomic dKV).
 
 Conventions: the kernels read/write natural-log lse [B, T, H] fp32 and use log2 internally.
 Head layout: ``heads = G * Hg`` where ``Hg`` (heads per kv group) is 16, 32, 64 or a multiple of 64
@@ -661,5 +663,202 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                 for h, d in T.Parallel(h_blk, DT):
                     if s * R + h // hg < S:
                         dQ[b, s * R + h // hg, h0 + h % hg, D + d] = acc_dqt[h, d]
+
+    return tilelang.compile(bwd, pass_configs=PASS_CONFIGS, target=target)
+
+
+
+@functools.lru_cache(maxsize=None)
+def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda",
+                             mma_regs=232, producer_regs=40):
+    """Warp-specialised backward for 64-row tiles; the same tensors and results as
+    ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV). 384 threads in three warpgroups.
+
+    Warpgroups 0-1 run the MMAs of one 32-slot block at a time (scores, P, dP, dS, dQ += dS K),
+    then dKV = dS^T Q + P^T dO for the block's first 16 slots, leave those rows (16 x Dqk fp32)
+    in a shared stage, and do the same for the other 16. Warpgroup 2 gathers the next block's kv
+    rows with cp.async as soon as the dQ MMAs are done with the buffer, then drains each staged
+    half with vector fp32 atomics while the MMA warps go on (the second half drains under the
+    next block's MMAs). Shared memory: Q and dO (139 KB) + kv (37 KB) + stage (37 KB) + P, dS."""
+    R = rows_per_block
+    assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
+    hg = heads // kv_group
+    h_blk, nh = row_group_geometry(hg, R)
+    assert h_blk == 64, "the warp-specialised backward runs 64-row tiles"
+    BS, SR = 32, 16  # slots per step, slots per staged half
+    K = topk * R
+    assert K % BS == 0
+    D, DT, NS = d_v, d_tail, K // BS
+    scale, scale2 = float(sm_scale), float(sm_scale) * LOG2E
+    dtype, acc = T.bfloat16, T.float32
+    B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
+    NG = S if R == 1 else T.dynamic("row_groups")
+    n_kv = SKV1 - 1
+    load_rows, load_lse, attends = _row_group_access(R, hg)
+    DC = 64  # Delta is summed DC columns at a time
+
+    @T.macro
+    def gather(w, blk):
+        # 8 threads per kv row, 16 bytes per copy, 16 rows per pass
+        tp = w.tx - 256
+        c = tp % 8 * 8
+        for rr in T.unroll(BS // 16):
+            e = rr * 16 + tp // 8
+            key = gather_row(w.Indices[w.b, w.s, w.g, blk * BS + e], n_kv, True)
+            for u in T.unroll(D // 64):
+                T.ptx_cp_async(T.access_ptr(w.kv_s[e, u * 64 + c], "w", 8),
+                               T.access_ptr(w.KV[w.b, key, w.g, u * 64 + c], "r", 8), 8)
+            T.ptx_cp_async(T.access_ptr(w.kt_s[e, c], "w", 8), T.access_ptr(w.KV[w.b, key, w.g, D + c], "r", 8), 8)
+        T.cp_async_barrier_noinc(w.full)
+
+    @T.macro
+    def drain(w, blk, half):
+        # 128 threads x 16 bytes per step over the staged rows (d_v = 512: one row's first 512
+        # columns per step; the tail: 8 rows per step); padding slots issue nothing
+        tp = w.tx - 256
+        T.barrier_wait(w.stage_full, half)
+        for width, col0, stage in ((D, 0, w.dkv_s), (DT, D, w.dkvt_s)):
+            for r in T.unroll(SR * width // 4 // 128):
+                j = (r * 128 + tp) // (width // 4)
+                d = (r * 128 + tp) % (width // 4) * 4
+                key = w.Indices[w.b, w.s, w.g, blk * BS + half * SR + j]
+                if valid_slot(key, n_kv):
+                    T.atomic_addx4(w.dKV[w.b, key, w.g, col0 + d], stage[j, d])
+        T.barrier_arrive(w.stage_free)
+
+    @T.macro
+    def step(w, blk):
+        T.barrier_wait(w.full, blk & 1)
+        for j in T.Parallel(BS):
+            if R == 1:
+                w.valid[j] = valid_slot(w.Indices[w.b, w.s, w.g, blk * BS + j], n_kv)
+            else:
+                w.valid[j] = T.cast(w.Members[w.b, w.s, w.g, blk * BS + j], T.int32)
+        for h, j in T.Parallel(h_blk, BS):
+            w.acc_p[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
+        T.gemm(w.q_s, w.kv_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+        T.gemm(w.qt_s, w.kt_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+        for h, j in T.Parallel(h_blk, BS):
+            w.acc_p[h, j] = T.exp2(w.acc_p[h, j] * scale2 - load_lse(w.Lse, w.b, w.s, w.h0, h, S) * LOG2E)
+        T.copy(w.acc_p, w.p_s)
+        T.gemm(w.do_s, w.kv_s, w.acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+        for h, j in T.Parallel(h_blk, BS):
+            w.acc_dp[h, j] = w.acc_p[h, j] * (w.acc_dp[h, j] - w.delta_s[h]) * scale
+        T.copy(w.acc_dp, w.dp_s)
+        T.gemm(w.dp_s, w.kv_s, w.acc_dq, policy=T.GemmWarpPolicy.FullCol)
+        T.gemm(w.dp_s, w.kt_s, w.acc_dqt, policy=T.GemmWarpPolicy.FullCol)
+        T.barrier_arrive(w.kv_free)  # warpgroup 2 may gather the next block now
+        for half in T.unroll(2):
+            sl = slice(half * SR, (half + 1) * SR)
+            T.gemm(w.dp_s[0:h_blk, sl], w.q_s, w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+                   clear_accum=True)
+            T.gemm(w.p_s[0:h_blk, sl], w.do_s, w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(w.dp_s[0:h_blk, sl], w.qt_s, w.acc_dkvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+                   clear_accum=True)
+            # the stage's previous half (this block's first, or the last block's second) is drained
+            if half == 1:
+                T.barrier_wait(w.stage_free, 0)
+            elif blk > 0:
+                T.barrier_wait(w.stage_free, 1)
+            T.copy(w.acc_dkv, w.dkv_s[0:SR, 0:D])
+            T.copy(w.acc_dkvt, w.dkvt_s[0:SR, 0:DT])
+            T.barrier_arrive(w.stage_full)
+
+    @T.prim_func
+    def bwd(
+        Q: T.Tensor([B, S, heads, D + DT], dtype),
+        KV: T.Tensor([B, SKV1, kv_group, D + DT], dtype),
+        dO: T.Tensor([B, S, heads, D], dtype),
+        Indices: T.Tensor([B, NG, kv_group, K], T.int32),
+        Lse: T.Tensor([B, S, heads], acc),
+        O: T.Tensor([B, S, heads, D], dtype),
+        Extent: T.Tensor([B, NG, kv_group], T.int32),
+        Members: T.Tensor([B, NG, kv_group, K], members_dtype(R)),
+        dQ: T.Tensor([B, S, heads, D + DT], dtype),
+        dKV: T.Tensor([B, SKV1, kv_group, D + DT], acc),
+    ):
+        with T.Kernel(NG, B, kv_group * nh, threads=384) as (bx, b, bz):
+            q_s = T.alloc_shared([h_blk, D], dtype)
+            qt_s = T.alloc_shared([h_blk, DT], dtype)
+            do_s = T.alloc_shared([h_blk, D], dtype)
+            kv_s = T.alloc_shared([BS, D], dtype)
+            kt_s = T.alloc_shared([BS, DT], dtype)
+            p_s = T.alloc_shared([h_blk, BS], dtype)
+            dp_s = T.alloc_shared([h_blk, BS], dtype)
+            # rows padded by 8 floats: the MMA warps' fragment stores of 8 rows then fall in distinct banks
+            dkv_s = T.alloc_shared([SR, D + 8], acc)
+            dkvt_s = T.alloc_shared([SR, DT + 8], acc)
+            delta_s = T.alloc_shared([h_blk], acc)
+            valid = T.alloc_fragment([BS], "bool" if R == 1 else T.int32)  # R > 1: member bits
+            acc_p = T.alloc_fragment([h_blk, BS], acc)
+            acc_dp = T.alloc_fragment([h_blk, BS], acc)
+            acc_dq = T.alloc_fragment([h_blk, D], acc)
+            acc_dqt = T.alloc_fragment([h_blk, DT], acc)
+            acc_dkv = T.alloc_fragment([SR, D], acc)
+            acc_dkvt = T.alloc_fragment([SR, DT], acc)
+            od = T.alloc_fragment([h_blk, DC], acc)
+            od_sum = T.alloc_fragment([h_blk], acc)
+            delta = T.alloc_fragment([h_blk], acc)
+            full = T.alloc_barrier(arrive_count=128)  # the gatherers' cp.async landed
+            kv_free = T.alloc_barrier(arrive_count=256)  # the MMA warpgroups are done with kv_s / kt_s
+            stage_full = T.alloc_barrier(arrive_count=256)  # dkv_s / dkvt_s hold a half block's dKV rows
+            stage_free = T.alloc_barrier(arrive_count=128)  # warpgroup 2 has read them
+
+            s = bx if R == 1 else NG - 1 - bx  # R > 1: last group first (as the forward)
+            g = bz // nh
+            h0 = g * hg + (bz % nh) * h_blk
+            nb = T.min(slot_blocks(Extent[b, s, g], BS), NS)
+            tx = T.get_thread_binding()
+            for h, d in T.Parallel(h_blk, D):
+                q_s[h, d] = load_rows(Q, b, s, h0, h, d, S)
+                do_s[h, d] = load_rows(dO, b, s, h0, h, d, S)
+            for h, d in T.Parallel(h_blk, DT):
+                qt_s[h, d] = load_rows(Q, b, s, h0, h, D + d, S)
+            T.sync_threads()
+            w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, Lse=Lse, dKV=dKV, b=b, s=s, g=g,
+                                h0=h0, valid=valid, acc_p=acc_p, acc_dp=acc_dp, acc_dq=acc_dq, acc_dqt=acc_dqt,
+                                acc_dkv=acc_dkv, acc_dkvt=acc_dkvt, q_s=q_s, qt_s=qt_s, do_s=do_s, kv_s=kv_s,
+                                kt_s=kt_s, p_s=p_s, dp_s=dp_s, dkv_s=dkv_s, dkvt_s=dkvt_s, delta_s=delta_s,
+                                full=full, kv_free=kv_free, stage_full=stage_full, stage_free=stage_free)
+            if tx < 256:
+                T.set_max_nreg(mma_regs, 1)
+                T.clear(acc_dq)
+                T.clear(acc_dqt)
+                T.clear(delta)
+                for c in T.serial(D // DC):  # Delta = rowsum(O * dO)
+                    for h, d in T.Parallel(h_blk, DC):
+                        od[h, d] = (T.cast(load_rows(O, b, s, h0, h, c * DC + d, S), acc)
+                                    * T.cast(load_rows(dO, b, s, h0, h, c * DC + d, S), acc))
+                    T.reduce_sum(od, od_sum, dim=1)
+                    for h in T.Parallel(h_blk):
+                        delta[h] = delta[h] + od_sum[h]
+                for h in T.Parallel(h_blk):
+                    delta_s[h] = delta[h]
+                for i in T.serial(nb):
+                    step(w, i)
+                if R == 1:
+                    for h, d in T.Parallel(h_blk, D):
+                        dQ[b, s, h0 + h, d] = acc_dq[h, d]
+                    for h, d in T.Parallel(h_blk, DT):
+                        dQ[b, s, h0 + h, D + d] = acc_dqt[h, d]
+                else:
+                    for h, d in T.Parallel(h_blk, D):
+                        if s * R + h // hg < S:
+                            dQ[b, s * R + h // hg, h0 + h % hg, d] = acc_dq[h, d]
+                    for h, d in T.Parallel(h_blk, DT):
+                        if s * R + h // hg < S:
+                            dQ[b, s * R + h // hg, h0 + h % hg, D + d] = acc_dqt[h, d]
+            else:
+                # 3 x 168 registers per thread at launch: the three warpgroups' counts must sum to at
+                # most 504, or setmaxnreg.inc waits forever
+                T.set_max_nreg(producer_regs, 0)
+                if nb > 0:
+                    gather(w, 0)
+                for i in T.serial(nb):
+                    if i + 1 < nb:
+                        T.barrier_wait(kv_free, i & 1)
+                        gather(w, i + 1)
+                    drain(w, i, 0)
+                    drain(w, i, 1)
 
     return tilelang.compile(bwd, pass_configs=PASS_CONFIGS, target=target)
