@@ -175,6 +175,49 @@ def _store_lse(Lse, lse, b, s, h0, seq_len, R, hg, h_blk):
                 Lse[b, s * R + h // hg, h0 + h % hg] = lse[h]
 
 
+
+@T.macro
+def _row_delta(w, od, od_sum, delta, seq_len, load_rows, h_blk, d_v, cols):
+    """Backward prologue: w.delta_s[h] = rowsum(O * dO) over the tile's rows, ``cols`` columns
+    at a time (a small fragment beside the dQ accumulator)."""
+    T.clear(delta)
+    for c in T.serial(d_v // cols):
+        for h, d in T.Parallel(h_blk, cols):
+            od[h, d] = (T.cast(load_rows(w.O, w.b, w.s, w.h0, h, c * cols + d, seq_len), T.float32)
+                        * T.cast(load_rows(w.dO, w.b, w.s, w.h0, h, c * cols + d, seq_len), T.float32))
+        T.reduce_sum(od, od_sum, dim=1)
+        for h in T.Parallel(h_blk):
+            delta[h] = delta[h] + od_sum[h]
+    # staged through shared memory: the block loop reads it in the gemm's own layout
+    for h in T.Parallel(h_blk):
+        w.delta_s[h] = delta[h]
+
+
+@T.macro
+def _load_q_do(Q, dO, q_s, qt_s, do_s, b, s, h0, seq_len, load_rows, h_blk, d_v, d_tail):
+    """Backward prologue: the tile's Q (split at d_v into q_s / qt_s) and dO rows into shared memory."""
+    for h, d in T.Parallel(h_blk, d_v):
+        q_s[h, d] = load_rows(Q, b, s, h0, h, d, seq_len)
+        do_s[h, d] = load_rows(dO, b, s, h0, h, d, seq_len)
+    for h, d in T.Parallel(h_blk, d_tail):
+        qt_s[h, d] = load_rows(Q, b, s, h0, h, d_v + d, seq_len)
+
+
+@T.macro
+def _block_ds_dq(w, kv_s, kt_s, scale, scale2, seq_len, load_lse, h_blk, block):
+    """One backward block after its scores (w.acc_p = masked Q K^T, [h_blk, block] fp32):
+    P = exp(scores - lse) -> w.p_s, dS = P * (dO V^T - Delta) * scale -> w.dp_s (bf16, shared),
+    dQ += dS K into w.acc_dq / w.acc_dqt."""
+    for h, j in T.Parallel(h_blk, block):
+        w.acc_p[h, j] = T.exp2(w.acc_p[h, j] * scale2 - load_lse(w.Lse, w.b, w.s, w.h0, h, seq_len) * LOG2E)
+    T.copy(w.acc_p, w.p_s)
+    T.gemm(w.do_s, kv_s, w.acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+    for h, j in T.Parallel(h_blk, block):
+        w.acc_dp[h, j] = w.acc_p[h, j] * (w.acc_dp[h, j] - w.delta_s[h]) * scale
+    T.copy(w.acc_dp, w.dp_s)
+    T.gemm(w.dp_s, kv_s, w.acc_dq, policy=T.GemmWarpPolicy.FullCol)
+    T.gemm(w.dp_s, kt_s, w.acc_dqt, policy=T.GemmWarpPolicy.FullCol)
+
 @functools.lru_cache(maxsize=None)
 def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_i=BLOCK_TOPK,
                           num_stages=2, threads=256, target="cuda", select_in_kernel=True, blocks=None,
@@ -571,28 +614,15 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             dkvt_s = T.alloc_shared([SR, DT], acc)
             delta_s = T.alloc_shared([h_blk], acc)
 
-            for h, d in T.Parallel(h_blk, D):
-                q_s[h, d] = load_rows(Q, b, s, h0, h, d, S)
-                do_s[h, d] = load_rows(dO, b, s, h0, h, d, S)
-            for h, d in T.Parallel(h_blk, DT):
-                qt_s[h, d] = load_rows(Q, b, s, h0, h, D + d, S)
+            _load_q_do(Q, dO, q_s, qt_s, do_s, b, s, h0, S, load_rows, h_blk, D, DT)
             T.clear(acc_dq)
             T.clear(acc_dqt)
-            # Delta = rowsum(O * dO), DC columns at a time
             od = T.alloc_fragment([h_blk, DC], acc)
             od_sum = T.alloc_fragment([h_blk], acc)
             delta = T.alloc_fragment([h_blk], acc)
-            T.clear(delta)
-            for c in T.serial(D // DC):
-                for h, d in T.Parallel(h_blk, DC):
-                    od[h, d] = (T.cast(load_rows(O, b, s, h0, h, c * DC + d, S), acc)
-                                * T.cast(load_rows(dO, b, s, h0, h, c * DC + d, S), acc))
-                T.reduce_sum(od, od_sum, dim=1)
-                for h in T.Parallel(h_blk):
-                    delta[h] = delta[h] + od_sum[h]
-            # staged through shared memory: the loop below reads it in the gemm's own layout
-            for h in T.Parallel(h_blk):
-                delta_s[h] = delta[h]
+            w = SimpleNamespace(O=O, dO=dO, Lse=Lse, b=b, s=s, h0=h0, delta_s=delta_s, acc_p=acc_p, acc_dp=acc_dp,
+                                acc_dq=acc_dq, acc_dqt=acc_dqt, do_s=do_s, p_s=p_s, dp_s=dp_s)
+            _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D, DC)
             # a reduction's shared workspace may alias buffers written next (see the forward)
             T.sync_threads()
 
@@ -610,15 +640,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                     kt_s[j, d] = KV[b, gather_row(Indices[b, s, g, i * BS + j], n_kv, safe), g, D + d]
                 T.gemm(qt_s, kt_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
 
-                for h, j in T.Parallel(h_blk, BS):
-                    acc_p[h, j] = T.exp2(acc_p[h, j] * scale2 - load_lse(Lse, b, s, h0, h, S) * LOG2E)
-                T.copy(acc_p, p_s)
-                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                for h, j in T.Parallel(h_blk, BS):
-                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_s[h]) * scale
-                T.copy(acc_dp, dp_s)
-                T.gemm(dp_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(dp_s, kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullCol)
+                _block_ds_dq(w, kv_s, kt_s, scale, scale2, S, load_lse, h_blk, BS)
                 T.gemm(dp_s, q_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
                 T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(dp_s, qt_s, acc_dkvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
@@ -651,21 +673,10 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                                     dkvt_s[j, d * 4],
                                 )
 
-            if R == 1:
-                for h, d in T.Parallel(h_blk, D):
-                    dQ[b, s, h0 + h, d] = acc_dq[h, d]
-                for h, d in T.Parallel(h_blk, DT):
-                    dQ[b, s, h0 + h, D + d] = acc_dqt[h, d]
-            else:
-                for h, d in T.Parallel(h_blk, D):
-                    if s * R + h // hg < S:
-                        dQ[b, s * R + h // hg, h0 + h % hg, d] = acc_dq[h, d]
-                for h, d in T.Parallel(h_blk, DT):
-                    if s * R + h // hg < S:
-                        dQ[b, s * R + h // hg, h0 + h % hg, D + d] = acc_dqt[h, d]
+            _store_rows(dQ, acc_dq, b, s, h0, 0, S, R, hg, h_blk, D)
+            _store_rows(dQ, acc_dqt, b, s, h0, D, S, R, hg, h_blk, DT)
 
     return tilelang.compile(bwd, pass_configs=PASS_CONFIGS, target=target)
-
 
 
 @functools.lru_cache(maxsize=None)
@@ -738,15 +749,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             w.acc_p[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
         T.gemm(w.q_s, w.kv_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
         T.gemm(w.qt_s, w.kt_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-        for h, j in T.Parallel(h_blk, BS):
-            w.acc_p[h, j] = T.exp2(w.acc_p[h, j] * scale2 - load_lse(w.Lse, w.b, w.s, w.h0, h, S) * LOG2E)
-        T.copy(w.acc_p, w.p_s)
-        T.gemm(w.do_s, w.kv_s, w.acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-        for h, j in T.Parallel(h_blk, BS):
-            w.acc_dp[h, j] = w.acc_p[h, j] * (w.acc_dp[h, j] - w.delta_s[h]) * scale
-        T.copy(w.acc_dp, w.dp_s)
-        T.gemm(w.dp_s, w.kv_s, w.acc_dq, policy=T.GemmWarpPolicy.FullCol)
-        T.gemm(w.dp_s, w.kt_s, w.acc_dqt, policy=T.GemmWarpPolicy.FullCol)
+        _block_ds_dq(w, w.kv_s, w.kt_s, scale, scale2, S, load_lse, h_blk, BS)
         T.barrier_arrive(w.kv_free)  # warpgroup 2 may gather the next block now
         for half in T.unroll(2):
             sl = slice(half * SR, (half + 1) * SR)
@@ -809,13 +812,9 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             h0 = g * hg + (bz % nh) * h_blk
             nb = T.min(slot_blocks(Extent[b, s, g], BS), NS)
             tx = T.get_thread_binding()
-            for h, d in T.Parallel(h_blk, D):
-                q_s[h, d] = load_rows(Q, b, s, h0, h, d, S)
-                do_s[h, d] = load_rows(dO, b, s, h0, h, d, S)
-            for h, d in T.Parallel(h_blk, DT):
-                qt_s[h, d] = load_rows(Q, b, s, h0, h, D + d, S)
+            _load_q_do(Q, dO, q_s, qt_s, do_s, b, s, h0, S, load_rows, h_blk, D, DT)
             T.sync_threads()
-            w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, Lse=Lse, dKV=dKV, b=b, s=s, g=g,
+            w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, O=O, dO=dO, Lse=Lse, dKV=dKV, b=b, s=s, g=g,
                                 h0=h0, valid=valid, acc_p=acc_p, acc_dp=acc_dp, acc_dq=acc_dq, acc_dqt=acc_dqt,
                                 acc_dkv=acc_dkv, acc_dkvt=acc_dkvt, q_s=q_s, qt_s=qt_s, do_s=do_s, kv_s=kv_s,
                                 kt_s=kt_s, p_s=p_s, dp_s=dp_s, dkv_s=dkv_s, dkvt_s=dkvt_s, delta_s=delta_s,
@@ -824,30 +823,11 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                 T.set_max_nreg(mma_regs, 1)
                 T.clear(acc_dq)
                 T.clear(acc_dqt)
-                T.clear(delta)
-                for c in T.serial(D // DC):  # Delta = rowsum(O * dO)
-                    for h, d in T.Parallel(h_blk, DC):
-                        od[h, d] = (T.cast(load_rows(O, b, s, h0, h, c * DC + d, S), acc)
-                                    * T.cast(load_rows(dO, b, s, h0, h, c * DC + d, S), acc))
-                    T.reduce_sum(od, od_sum, dim=1)
-                    for h in T.Parallel(h_blk):
-                        delta[h] = delta[h] + od_sum[h]
-                for h in T.Parallel(h_blk):
-                    delta_s[h] = delta[h]
+                _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D, DC)
                 for i in T.serial(nb):
                     step(w, i)
-                if R == 1:
-                    for h, d in T.Parallel(h_blk, D):
-                        dQ[b, s, h0 + h, d] = acc_dq[h, d]
-                    for h, d in T.Parallel(h_blk, DT):
-                        dQ[b, s, h0 + h, D + d] = acc_dqt[h, d]
-                else:
-                    for h, d in T.Parallel(h_blk, D):
-                        if s * R + h // hg < S:
-                            dQ[b, s * R + h // hg, h0 + h % hg, d] = acc_dq[h, d]
-                    for h, d in T.Parallel(h_blk, DT):
-                        if s * R + h // hg < S:
-                            dQ[b, s * R + h // hg, h0 + h % hg, D + d] = acc_dqt[h, d]
+                _store_rows(dQ, acc_dq, b, s, h0, 0, S, R, hg, h_blk, D)
+                _store_rows(dQ, acc_dqt, b, s, h0, D, S, R, hg, h_blk, DT)
             else:
                 # 3 x 168 registers per thread at launch: the three warpgroups' counts must sum to at
                 # most 504, or setmaxnreg.inc waits forever
