@@ -6,8 +6,8 @@ Workloads (bf16, Dqk=576, d_v=512, G=1, topk=2048):
   W2: T=T_kv=4096, row t = random permutation of min(t+1, 2048) keys in [0, t] then -1; rows 0, 7, 2000 empty.
 Writes ``$OUT/bench_sparse_mla.json`` (rows: workload, H, impl, fwd_ms, fwd_bwd_ms, fwd_tflops,
 bwd_tflops, peak_gib, rel errors) and a PNG chart when matplotlib is present; prints a table last.
-Rows: ours (defaults), ours_novalidate, ours_classic (no warp specialisation in either direction: the
-session-7 kernels), ours_r1 (H < 64: one query row per block, no row groups), mcore, reference. ``--kernels-only``: the rows
+Rows: ours (defaults), ours_novalidate, ours_classic (both directions on the single-warpgroup
+kernels), ours_r1 (H < 64: one query row per block, no row groups), mcore, reference. ``--kernels-only``: the rows
 and the row groups' list figures only (``bench_sparse_mla_kernels.json``).
 """
 
