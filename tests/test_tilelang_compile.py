@@ -171,11 +171,11 @@ def test_warp_specialized_backward_choice():
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
     cases = [(64, False), (128, False), (32, False), (16, False), (8, True), (16, True)]
-    assert [TileLangBackend()._bwd_warp_specialized(h, rg) for h, rg in cases] == [True, True, False, False, True,
-                                                                                   True]
+    chosen = [TileLangBackend()._warp_specialized(h, rg, backward=True) for h, rg in cases]
+    assert chosen == [True, True, False, False, True, True]
     for be in (TileLangBackend(bwd_warp_specialized=False), TileLangBackend(deterministic=True),
                TileLangBackend(safe=False)):
-        assert not any(be._bwd_warp_specialized(h, rg) for h, rg in cases)
+        assert not any(be._warp_specialized(h, rg, backward=True) for h, rg in cases)
     with pytest.raises(ValueError, match="bwd_warp_specialized"):
         TileLangBackend(bwd_warp_specialized=1)
 

@@ -413,14 +413,12 @@ class TileLangBackend:
             last.record(counts)
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
 
-    def _warp_specialized(self, hg_pad: int, row_groups: bool) -> bool:
-        """Whether a forward with these head tiles runs ``sparse_mla_fwd_ws_kernel`` (64-row tiles)."""
-        return self.safe and self.fwd_warp_specialized and (row_groups or hg_pad >= 64)
-
-    def _bwd_warp_specialized(self, hg_pad: int, row_groups: bool) -> bool:
-        """Whether a backward with these head tiles runs ``sparse_mla_bwd_ws_kernel`` (64-row tiles,
-        atomic dKV: not in deterministic mode)."""
-        return self.safe and self.bwd_warp_specialized and not self.deterministic and (row_groups or hg_pad >= 64)
+    def _warp_specialized(self, hg_pad: int, row_groups: bool, backward: bool = False) -> bool:
+        """Whether this direction runs its warp-specialised kernel (``sparse_mla_fwd_ws_kernel`` /
+        ``sparse_mla_bwd_ws_kernel``): 64-row tiles (>= 64 heads per group, or row groups), safe
+        mode, its flag on; the backward's dKV is atomic, so not in deterministic mode."""
+        flag = self.bwd_warp_specialized and not self.deterministic if backward else self.fwd_warp_specialized
+        return self.safe and flag and (row_groups or hg_pad >= 64)
 
     def _fwd_block(self, hg_pad: int) -> int:
         """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``
@@ -515,7 +513,7 @@ class TileLangBackend:
             dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad,
                                                    sm_scale, d_v)
         else:
-            if self._bwd_warp_specialized(hg_pad, R > 1):
+            if self._warp_specialized(hg_pad, R > 1, backward=True):
                 kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale),
                                                   rows_per_block=R)
             else:

@@ -176,15 +176,18 @@ def _store_lse(Lse, lse, b, s, h0, seq_len, R, hg, h_blk):
 
 
 
+DELTA_COLS = 64  # the backward sums Delta this many columns at a time
+
+
 @T.macro
-def _row_delta(w, od, od_sum, delta, seq_len, load_rows, h_blk, d_v, cols):
-    """Backward prologue: w.delta_s[h] = rowsum(O * dO) over the tile's rows, ``cols`` columns
-    at a time (a small fragment beside the dQ accumulator)."""
+def _row_delta(w, od, od_sum, delta, seq_len, load_rows, h_blk, d_v):
+    """Backward prologue: w.delta_s[h] = rowsum(O * dO) over the tile's rows, DELTA_COLS columns
+    at a time (od [h_blk, DELTA_COLS]: a small fragment beside the dQ accumulator)."""
     T.clear(delta)
-    for c in T.serial(d_v // cols):
-        for h, d in T.Parallel(h_blk, cols):
-            od[h, d] = (T.cast(load_rows(w.O, w.b, w.s, w.h0, h, c * cols + d, seq_len), T.float32)
-                        * T.cast(load_rows(w.dO, w.b, w.s, w.h0, h, c * cols + d, seq_len), T.float32))
+    for c in T.serial(d_v // DELTA_COLS):
+        for h, d in T.Parallel(h_blk, DELTA_COLS):
+            od[h, d] = (T.cast(load_rows(w.O, w.b, w.s, w.h0, h, c * DELTA_COLS + d, seq_len), T.float32)
+                        * T.cast(load_rows(w.dO, w.b, w.s, w.h0, h, c * DELTA_COLS + d, seq_len), T.float32))
         T.reduce_sum(od, od_sum, dim=1)
         for h in T.Parallel(h_blk):
             delta[h] = delta[h] + od_sum[h]
@@ -577,7 +580,6 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     n_kv = SKV1 - 1 if safe else SKV1
     dkv_shape = [B, S, kv_group * nh, topk, D + DT] if dkv_per_slot else [B, SKV1, kv_group, D + DT]
     load_rows, load_lse, attends = _row_group_access(R, hg)
-    DC = 64  # Delta is summed DC columns at a time (a small fragment next to the dQ accumulator)
 
     @T.prim_func
     def bwd(
@@ -617,12 +619,12 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             _load_q_do(Q, dO, q_s, qt_s, do_s, b, s, h0, S, load_rows, h_blk, D, DT)
             T.clear(acc_dq)
             T.clear(acc_dqt)
-            od = T.alloc_fragment([h_blk, DC], acc)
+            od = T.alloc_fragment([h_blk, DELTA_COLS], acc)
             od_sum = T.alloc_fragment([h_blk], acc)
             delta = T.alloc_fragment([h_blk], acc)
             w = SimpleNamespace(O=O, dO=dO, Lse=Lse, b=b, s=s, h0=h0, delta_s=delta_s, acc_p=acc_p, acc_dp=acc_dp,
                                 acc_dq=acc_dq, acc_dqt=acc_dqt, do_s=do_s, p_s=p_s, dp_s=dp_s)
-            _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D, DC)
+            _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D)
             # a reduction's shared workspace may alias buffers written next (see the forward)
             T.sync_threads()
 
@@ -706,7 +708,6 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     NG = S if R == 1 else T.dynamic("row_groups")
     n_kv = SKV1 - 1
     load_rows, load_lse, attends = _row_group_access(R, hg)
-    DC = 64  # Delta is summed DC columns at a time
 
     @T.macro
     def gather(w, blk):
@@ -799,7 +800,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             acc_dqt = T.alloc_fragment([h_blk, DT], acc)
             acc_dkv = T.alloc_fragment([SR, D], acc)
             acc_dkvt = T.alloc_fragment([SR, DT], acc)
-            od = T.alloc_fragment([h_blk, DC], acc)
+            od = T.alloc_fragment([h_blk, DELTA_COLS], acc)
             od_sum = T.alloc_fragment([h_blk], acc)
             delta = T.alloc_fragment([h_blk], acc)
             full = T.alloc_barrier(arrive_count=128)  # the gatherers' cp.async landed
@@ -823,7 +824,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                 T.set_max_nreg(mma_regs, 1)
                 T.clear(acc_dq)
                 T.clear(acc_dqt)
-                _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D, DC)
+                _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D)
                 for i in T.serial(nb):
                     step(w, i)
                 _store_rows(dQ, acc_dq, b, s, h0, 0, S, R, hg, h_blk, D)
