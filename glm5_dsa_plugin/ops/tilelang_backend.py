@@ -272,11 +272,11 @@ class TileLangBackend:
         # counted call's entries vs slots, see _RowGroupChoice); not with deterministic or safe=False
         self.row_groups = row_groups
         self._row_group_choice: dict[tuple, _RowGroupChoice] = {}
-        # the warp-specialised forward (``sparse_mla_fwd_ws_kernel``: gathers in flight while the
-        # MMAs run, one launch whose loop stops at each row's last block) for every 64-row tile
-        # (>= 64 heads per kv group, and row groups); False: the single-warpgroup kernel. Forward
-        # through the op, same run (v10): W2 H64 3.41 vs 4.14 ms, row groups W2 H8 1.04 vs 1.13,
-        # H16 1.53 vs 1.61
+        # the warp-specialised forward (``sparse_mla_fwd_ws_kernel``: gathers in flight while two
+        # MMA warpgroups split each pair of blocks evenly, one launch whose loop stops at each row's
+        # last block) for every 64-row tile (>= 64 heads per kv group, and row groups); False: the
+        # single-warpgroup kernel. Forward through the op, same run (v12): W2 H64 3.11 vs 4.12 ms,
+        # row groups W2 H8 1.44 vs 1.53, H16 1.61 vs 1.98
         self.fwd_warp_specialized = fwd_warp_specialized
         # the warp-specialised backward (``sparse_mla_bwd_ws_kernel``: a third warpgroup gathers the
         # next block and drains the dKV atomics while the MMAs run) for every 64-row tile with

@@ -368,12 +368,13 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     host-rewritten to [0, T_kv] with the zero sentinel row T_kv, gathered as they are, like
     ``select_in_kernel=False``).
 
-    384 threads in three warpgroups. Warpgroup 2 gathers the kv rows of the next blocks with
-    cp.async into two buffers (an mbarrier per buffer says "full", another "free"). Warpgroup 0
-    computes the scores, the online softmax and out[:, :d_v/2]; warpgroup 1 computes
-    out[:, d_v/2:] from the probabilities warpgroup 0 leaves in shared memory. So gathers of
-    block i + 1 overlap the MMAs of block i, and the two halves of the output accumulator
-    (64 x d_v fp32) live in two warpgroups' registers. The loop runs the row's (group's) own
+    384 threads in three warpgroups. Warpgroup 2 gathers the kv rows of blocks 2i and 2i + 1 with
+    cp.async into buffers 0 and 1 (an mbarrier per buffer says "full", another "free"). The two
+    MMA warpgroups split the work of a pair evenly: warpgroup c computes the scores of block
+    2i + c (64 x 64, 576 deep), the pair's common running max is exchanged through shared memory,
+    and warpgroup c then accumulates out[:, c*d_v/2:(c+1)*d_v/2] from both blocks: its own
+    probabilities from registers, the other warpgroup's from shared memory. The row sums stay per
+    warpgroup (its own blocks) and are added at the end. The loop runs the row's (group's) own
     blocks, a dynamic count, in pairs; the second block of an odd last pair gathers the block
     min(nb, NI - 1) again (in bounds) and is fully masked."""
     R = rows_per_block
@@ -392,13 +393,13 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     n_kv = SKV1 - 1
     load_rows, _, attends = _row_group_access(R, hg)
 
-    # the three roles' per-block steps; ``w`` holds the block's buffers and scalars
     @T.macro
-    def gather(w, blk, kv_l, kv_r, kt, full):
+    def gather(w, blk, kv, full):
         # explicit cp.async, 8 threads per kv row (16 bytes each), 16 rows per pass; the mbarrier
         # arrival fires when this thread's copies land. (A T.Parallel copy would make TileLang
-        # 0.1.15 insert partial barriers that reuse warpgroup 0's barrier id.) An odd last block
-        # (blk == nb) re-reads block min(blk, NI - 1), which is in bounds; the scores mask it.
+        # 0.1.15 insert partial barriers that reuse an MMA warpgroup's barrier id.) An odd last
+        # block (blk == nb) re-reads block min(blk, NI - 1), which is in bounds; the scores mask it.
+        kv_l, kv_r, kt = kv
         tp = w.tx - 256
         blk_c = T.min(blk, NI - 1)
         for rr in T.serial(BI // 16):
@@ -414,8 +415,12 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         T.cp_async_barrier_noinc(full)
 
     @T.macro
-    def scores(w, blk, kv_l, kv_r, kt, full, free, parity):
-        T.barrier_wait(full, parity)
+    def pair(w, c, i):
+        # MMA warpgroup c on pair i: scores of block 2i + c, softmax under the pair's common max,
+        # then its half of out from both blocks
+        blk = i * 2 + c
+        kv_l, kv_r, kt = w.kv[c]
+        T.barrier_wait(w.full[c], i & 1)
         for j in T.Parallel(BI):
             if R == 1:
                 w.valid[j] = (blk < w.nb) & valid_slot(w.Indices[w.b, w.s, w.g, T.min(blk, NI - 1) * BI + j], n_kv)
@@ -427,37 +432,62 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         T.gemm(w.q_l, kv_l, w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.gemm(w.q_r, kv_r, w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.gemm(w.q_t, kt, w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        if blk > 0:  # warpgroup 1 has read the previous block's p_s / alpha_s
-            T.barrier_arrive(w.p_free)
-            T.barrier_wait(w.p_free, (blk & 1) ^ 1)
-        T.copy(w.m, w.m_prev)
-        T.reduce_max(w.acc_s, w.m, dim=1, clear=False)
+        T.reduce_max(w.acc_s, w.m_blk, dim=1, clear=True)
         for h in T.Parallel(h_blk):
-            w.m[h] = T.max(w.m[h], w.m_prev[h])
-            w.alpha[h] = T.exp2((w.m_prev[h] - w.m[h]) * scale2)
+            w.max_s[c, h] = w.m_blk[h]
+        T.barrier_arrive(w.max_full)
+        T.barrier_wait(w.max_full, i & 1)
+        for h in T.Parallel(h_blk):
+            w.m_blk[h] = T.max(w.m[h], T.max(w.max_s[0, h], w.max_s[1, h]))
+            w.alpha[h] = T.exp2((w.m[h] - w.m_blk[h]) * scale2)
+            w.m[h] = w.m_blk[h]
         for h, j in T.Parallel(h_blk, BI):
             w.acc_s[h, j] = T.exp2(w.acc_s[h, j] * scale2 - w.m[h] * scale2)
         T.reduce_sum(w.acc_s, w.blk_sum, dim=1)
         for h in T.Parallel(h_blk):
             w.row_sum[h] = w.row_sum[h] * w.alpha[h] + w.blk_sum[h]
-            w.alpha_s[h] = w.alpha[h]
         for h, d in T.Parallel(h_blk, DH):
-            w.acc_o_l[h, d] = w.acc_o_l[h, d] * w.alpha[h]
-        T.copy(w.acc_s, w.p_s)
-        T.gemm(w.p_s, kv_l, w.acc_o_l, policy=T.GemmWarpPolicy.FullRow)
-        T.barrier_arrive(w.p_full)
-        T.barrier_arrive(free)
+            w.acc_o[h, d] = w.acc_o[h, d] * w.alpha[h]
+        T.copy(w.acc_s, w.p)
+        if c == 0:
+            # publish P0, then P0 V0[:, :DH] from registers while warpgroup 1 reads P0 from
+            # shared memory; P1 arrives when warpgroup 1 has read P0 (one P buffer)
+            T.copy(w.acc_s, w.p_s)
+            T.fence_proxy_async()  # generic-proxy stores -> warpgroup 1's wgmma reads
+            T.barrier_arrive(w.p_full[0])
+            T.gemm(w.p, w.kv[0][0], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.barrier_arrive(w.free[0])
+            T.barrier_wait(w.p_full[1], i & 1)
+            T.gemm(w.p_s, w.kv[1][0], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.barrier_arrive(w.free[1])
+        else:
+            T.barrier_wait(w.p_full[0], i & 1)
+            T.gemm(w.p_s, w.kv[0][1], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.barrier_arrive(w.free[0])
+            T.copy(w.acc_s, w.p_s)
+            T.fence_proxy_async()
+            T.barrier_arrive(w.p_full[1])
+            T.gemm(w.p, w.kv[1][1], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.barrier_arrive(w.free[1])
 
     @T.macro
-    def values(w, blk, kv_r, free):
-        T.barrier_arrive(w.p_full)
-        T.barrier_wait(w.p_full, blk & 1)
-        for h, d in T.Parallel(h_blk, DH):
-            w.acc_o_r[h, d] = w.acc_o_r[h, d] * w.alpha_s[h]
-        T.gemm(w.p_s, kv_r, w.acc_o_r, policy=T.GemmWarpPolicy.FullRow)
-        T.barrier_arrive(free)
-        if blk < w.pairs * 2 - 1:
-            T.barrier_arrive(w.p_free)
+    def consume(w, c):
+        T.set_max_nreg(232, 1)
+        T.fill(w.acc_o, 0)
+        T.fill(w.row_sum, 0)
+        T.fill(w.m, _MASK_INIT)
+        for i in T.serial((w.nb + 1) // 2):
+            pair(w, c, i)
+        for h in T.Parallel(h_blk):
+            w.sum_s[c, h] = w.row_sum[h]
+        T.barrier_arrive(w.sum_full)
+        T.barrier_wait(w.sum_full, 0)
+        for h in T.Parallel(h_blk):
+            w.row_sum[h] = w.sum_s[0, h] + w.sum_s[1, h]
+        _finish_rows(w.acc_o, w.row_sum, w.m, scale2, h_blk, DH)
+        _store_rows(w.Out, w.acc_o, w.b, w.s, w.h0, c * DH, w.S, R, hg, h_blk, DH)
+        if c == 0:
+            _store_lse(w.Lse, w.row_sum, w.b, w.s, w.h0, w.S, R, hg, h_blk)
 
     @T.prim_func
     def fwd(
@@ -480,24 +510,35 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             kv1_r = T.alloc_shared([BI, DH], dtype)
             kt1 = T.alloc_shared([BI, DT], dtype)
             p_s = T.alloc_shared([h_blk, BI], dtype)
-            alpha_s = T.alloc_shared([h_blk], acc)
-            sum_s = T.alloc_shared([h_blk], acc)
-            valid = T.alloc_fragment([BI], "bool" if R == 1 else T.int32)  # R > 1: member bits
-            acc_o_l = T.alloc_fragment([h_blk, DH], acc)
-            acc_o_r = T.alloc_fragment([h_blk, DH], acc)
-            acc_s = T.alloc_fragment([h_blk, BI], acc)
-            row_sum = T.alloc_fragment([h_blk], acc)
-            blk_sum = T.alloc_fragment([h_blk], acc)
-            alpha = T.alloc_fragment([h_blk], acc)
-            m = T.alloc_fragment([h_blk], acc)
-            m_prev = T.alloc_fragment([h_blk], acc)
+            max_s = T.alloc_shared([2, h_blk], acc)
+            sum_s = T.alloc_shared([2, h_blk], acc)
+            # per MMA warpgroup (0 / 1): registers of its own
+            valid0 = T.alloc_fragment([BI], "bool" if R == 1 else T.int32)  # R > 1: member bits
+            valid1 = T.alloc_fragment([BI], "bool" if R == 1 else T.int32)
+            acc_s0 = T.alloc_fragment([h_blk, BI], acc)
+            acc_s1 = T.alloc_fragment([h_blk, BI], acc)
+            p0 = T.alloc_fragment([h_blk, BI], dtype)
+            p1 = T.alloc_fragment([h_blk, BI], dtype)
+            acc_o0 = T.alloc_fragment([h_blk, DH], acc)
+            acc_o1 = T.alloc_fragment([h_blk, DH], acc)
+            row_sum0 = T.alloc_fragment([h_blk], acc)
+            row_sum1 = T.alloc_fragment([h_blk], acc)
+            blk_sum0 = T.alloc_fragment([h_blk], acc)
+            blk_sum1 = T.alloc_fragment([h_blk], acc)
+            alpha0 = T.alloc_fragment([h_blk], acc)
+            alpha1 = T.alloc_fragment([h_blk], acc)
+            m0 = T.alloc_fragment([h_blk], acc)
+            m1 = T.alloc_fragment([h_blk], acc)
+            m_blk0 = T.alloc_fragment([h_blk], acc)
+            m_blk1 = T.alloc_fragment([h_blk], acc)
             full0 = T.alloc_barrier(arrive_count=128)  # the gatherers' cp.async landed
             full1 = T.alloc_barrier(arrive_count=128)
-            free0 = T.alloc_barrier(arrive_count=256)  # both consumers are done with the buffer
+            free0 = T.alloc_barrier(arrive_count=256)  # both MMA warpgroups are done with the buffer
             free1 = T.alloc_barrier(arrive_count=256)
-            p_full = T.alloc_barrier(arrive_count=256)  # p_s / alpha_s hold this block's values
-            p_free = T.alloc_barrier(arrive_count=256)  # warpgroup 1 is done with them
-            sum_full = T.alloc_barrier(arrive_count=256)  # sum_s holds the row sums
+            max_full = T.alloc_barrier(arrive_count=256)  # max_s holds both blocks' maxima
+            p_full0 = T.alloc_barrier(arrive_count=128)  # p_s holds P0 (warpgroup 0's block)
+            p_full1 = T.alloc_barrier(arrive_count=128)  # p_s holds P1
+            sum_full = T.alloc_barrier(arrive_count=256)  # sum_s holds both row sums
 
             s = bx // rep if R == 1 else NG - 1 - bx  # R > 1: last group first (as the other kernels)
             h0 = g * hg + (bx % rep) * h_blk
@@ -510,42 +551,25 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             for h, d in T.Parallel(h_blk, DT):
                 q_t[h, d] = load_rows(Q, b, s, h0, h, D + d, S)
             T.sync_threads()
-            w = SimpleNamespace(tx=tx, nb=nb, pairs=pairs, Indices=Indices, Members=Members, KV=KV, b=b, s=s,
-                                g=g, valid=valid, acc_s=acc_s, q_l=q_l, q_r=q_r, q_t=q_t, p_s=p_s, p_full=p_full,
-                                p_free=p_free, m=m, m_prev=m_prev, alpha=alpha, blk_sum=blk_sum, row_sum=row_sum,
-                                alpha_s=alpha_s, acc_o_l=acc_o_l, acc_o_r=acc_o_r)
+            kv = ((kv0_l, kv0_r, kt0), (kv1_l, kv1_r, kt1))
+            shared = dict(tx=tx, nb=nb, Indices=Indices, Members=Members, KV=KV, b=b, s=s, g=g, q_l=q_l, q_r=q_r,
+                          q_t=q_t, kv=kv, p_s=p_s, max_s=max_s, full=(full0, full1), free=(free0, free1),
+                          max_full=max_full, p_full=(p_full0, p_full1), sum_s=sum_s, sum_full=sum_full,
+                          Out=Out, Lse=Lse, h0=h0, S=S)
             if tx < 128:
-                T.set_max_nreg(240, 1)
-                T.fill(acc_o_l, 0)
-                T.fill(row_sum, 0)
-                T.fill(m, _MASK_INIT)
-                for i in T.serial(pairs):
-                    scores(w, i * 2, kv0_l, kv0_r, kt0, full0, free0, i & 1)
-                    scores(w, i * 2 + 1, kv1_l, kv1_r, kt1, full1, free1, i & 1)
-                for h in T.Parallel(h_blk):
-                    sum_s[h] = row_sum[h]
-                T.barrier_arrive(sum_full)
-                _finish_rows(acc_o_l, row_sum, m, scale2, h_blk, DH)
-                _store_rows(Out, acc_o_l, b, s, h0, 0, S, R, hg, h_blk, DH)
-                _store_lse(Lse, row_sum, b, s, h0, S, R, hg, h_blk)
+                consume(SimpleNamespace(valid=valid0, acc_s=acc_s0, p=p0, acc_o=acc_o0, row_sum=row_sum0,
+                                        blk_sum=blk_sum0, alpha=alpha0, m=m0, m_blk=m_blk0, **shared), 0)
             elif tx < 256:
-                T.set_max_nreg(168, 1)
-                T.fill(acc_o_r, 0)
-                for i in T.serial(pairs):
-                    values(w, i * 2, kv0_r, free0)
-                    values(w, i * 2 + 1, kv1_r, free1)
-                T.barrier_arrive(sum_full)
-                T.barrier_wait(sum_full, 0)
-                for h, d in T.Parallel(h_blk, DH):
-                    acc_o_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_o_r[h, d] / sum_s[h], 0)
-                _store_rows(Out, acc_o_r, b, s, h0, DH, S, R, hg, h_blk, DH)
-            elif tx >= 256:
-                T.set_max_nreg(80, 0)
+                consume(SimpleNamespace(valid=valid1, acc_s=acc_s1, p=p1, acc_o=acc_o1, row_sum=row_sum1,
+                                        blk_sum=blk_sum1, alpha=alpha1, m=m1, m_blk=m_blk1, **shared), 1)
+            else:
+                T.set_max_nreg(40, 0)
+                w = SimpleNamespace(**shared)
                 for i in T.serial(pairs):
                     T.barrier_wait(free0, (i & 1) ^ 1)
-                    gather(w, i * 2, kv0_l, kv0_r, kt0, full0)
+                    gather(w, i * 2, kv[0], full0)
                     T.barrier_wait(free1, (i & 1) ^ 1)
-                    gather(w, i * 2 + 1, kv1_l, kv1_r, kt1, full1)
+                    gather(w, i * 2 + 1, kv[1], full1)
 
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
 
