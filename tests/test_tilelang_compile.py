@@ -142,7 +142,8 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
     mma = re.findall(r"warpgroup_reg_alloc<(\d+)>", src)
     (producer,) = re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)
     assert len(mma) == 2 and sum(map(int, mma)) + int(producer) <= 3 * 168
-    wg1, gather = src.index("warpgroup_reg_alloc", src.index("warpgroup_reg_alloc") + 1), src.index("warpgroup_reg_dealloc")
+    wg1 = src.index("warpgroup_reg_alloc", src.index("warpgroup_reg_alloc") + 1)
+    gather = src.index("warpgroup_reg_dealloc")
     roles = src[:wg1], src[wg1:gather], src[gather:]
     assert "cp_async_gs<16>" in roles[2] and "cp_async" not in roles[0] + roles[1]
     assert "__sync_thread_partial" not in roles[2]
