@@ -7,8 +7,8 @@ Workloads (bf16, Dqk=576, d_v=512, G=1, topk=2048):
 Writes ``$OUT/bench_sparse_mla.json`` (rows: workload, H, impl, fwd_ms, fwd_bwd_ms, fwd_tflops,
 bwd_tflops, peak_gib, rel errors) and a PNG chart when matplotlib is present; prints a table last.
 Rows: ours (defaults), ours_novalidate, ours_classic (both directions on the single-warpgroup
-kernels), ours_r1 (H < 64: one query row per block, no row groups), mcore, reference. ``--kernels-only``: the rows
-and the row groups' list figures only (``bench_sparse_mla_kernels.json``).
+kernels), ours_r1 (H < 64: one query row per block, no row groups), mcore, reference.
+``--kernels-only``: the rows and the row groups' list figures only (``bench_sparse_mla_kernels.json``).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def make_impls(has_mcore):
     }
     # 64-row tiles (H64, and row groups at H8/H16) run the warp-specialised forward and backward by
     # default; "ours_classic" is the single-warpgroup kernels (H64 forward: the 64-row plan chosen
-    # per call from row counts). < 64 heads: the default runs row groups (R = 64 / hg rows per block over their keys'
-    # union); "ours_r1" is one query row per block. Both measured in the same run
+    # per call from row counts). < 64 heads: the default runs row groups (R = 64 / hg rows per
+    # block over their keys' union); "ours_r1" is one query row per block. Both in the same run
     try:
         from glm5_dsa_plugin.ops.backends import register_backend
         from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend

@@ -280,9 +280,9 @@ class TileLangBackend:
         self.fwd_warp_specialized = fwd_warp_specialized
         # the warp-specialised backward (``sparse_mla_bwd_ws_kernel``: a third warpgroup gathers the
         # next block and drains the dKV atomics while the MMAs run) for every 64-row tile with
-        # atomic dKV; False: ``sparse_mla_bwd_kernel``. Backward through the backend, same run (v11):
-        # W1 H64 13.58 vs 15.89 ms; whole op fwd+bwd against both kernels single-warpgroup (v11):
-        # W2 H64 13.83 vs 16.18, H16 (row groups) 5.06 vs 6.11, H8 2.89 vs 3.35
+        # atomic dKV; False: ``sparse_mla_bwd_kernel``. Backward through the backend, same run (v12):
+        # W1 H64 13.49 vs 15.87 ms; whole op fwd+bwd against both kernels single-warpgroup (v12):
+        # W2 H64 14.00 vs 16.47, H16 (row groups) 5.12 vs 6.20, H8 3.01 vs 3.57
         self.bwd_warp_specialized = bwd_warp_specialized
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
