@@ -376,7 +376,9 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     probabilities from registers, the other warpgroup's from shared memory. The row sums stay per
     warpgroup (its own blocks) and are added at the end. The loop runs the row's (group's) own
     blocks, a dynamic count, in pairs; the second block of an odd last pair gathers the block
-    min(nb, NI - 1) again (in bounds) and is fully masked."""
+    min(nb, NI - 1) again (in bounds) and is fully masked. Q and each kv buffer are one
+    [64, d_v + d_tail] shared tile, so the scores are one GEMM and PV reads column slices (the
+    same kernel with tiles split at d_v / 2 and d_v, scores in three GEMMs, ran 1.41x slower)."""
     R = rows_per_block
     assert heads % kv_group == 0 and topk % BLOCK_TOPK == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
@@ -399,19 +401,15 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         # arrival fires when this thread's copies land. (A T.Parallel copy would make TileLang
         # 0.1.15 insert partial barriers that reuse an MMA warpgroup's barrier id.) An odd last
         # block (blk == nb) re-reads block min(blk, NI - 1), which is in bounds; the scores mask it.
-        kv_l, kv_r, kt = kv
         tp = w.tx - 256
         blk_c = T.min(blk, NI - 1)
         for rr in T.serial(BI // 16):
             e = rr * 16 + tp // 8
             key = w.Indices[w.b, w.s, w.g, blk_c * BI + e]
             c = tp % 8 * 8
-            for u in T.unroll(DH // 64):
-                T.ptx_cp_async(T.access_ptr(kv_l[e, u * 64 + c], "w", 8),
+            for u in T.unroll((D + DT) // 64):
+                T.ptx_cp_async(T.access_ptr(kv[e, u * 64 + c], "w", 8),
                                T.access_ptr(w.KV[w.b, key, w.g, u * 64 + c], "r", 8), 8)
-                T.ptx_cp_async(T.access_ptr(kv_r[e, u * 64 + c], "w", 8),
-                               T.access_ptr(w.KV[w.b, key, w.g, DH + u * 64 + c], "r", 8), 8)
-            T.ptx_cp_async(T.access_ptr(kt[e, c], "w", 8), T.access_ptr(w.KV[w.b, key, w.g, D + c], "r", 8), 8)
         T.cp_async_barrier_noinc(full)
 
     @T.macro
@@ -419,7 +417,6 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         # MMA warpgroup c on pair i: scores of block 2i + c, softmax under the pair's common max,
         # then its half of out from both blocks
         blk = i * 2 + c
-        kv_l, kv_r, kt = w.kv[c]
         T.barrier_wait(w.full[c], i & 1)
         for j in T.Parallel(BI):
             if R == 1:
@@ -429,9 +426,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                     blk < w.nb, T.cast(w.Members[w.b, w.s, w.g, T.min(blk, NI - 1) * BI + j], T.int32), 0)
         for h, j in T.Parallel(h_blk, BI):
             w.acc_s[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
-        T.gemm(w.q_l, kv_l, w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.gemm(w.q_r, kv_r, w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.gemm(w.q_t, kt, w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(w.q_s, w.kv[c], w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.reduce_max(w.acc_s, w.m_blk, dim=1, clear=True)
         for h in T.Parallel(h_blk):
             w.max_s[c, h] = w.m_blk[h]
@@ -455,19 +450,19 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             T.copy(w.acc_s, w.p_s)
             T.fence_proxy_async()  # generic-proxy stores -> warpgroup 1's wgmma reads
             T.barrier_arrive(w.p_full[0])
-            T.gemm(w.p, w.kv[0][0], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.gemm(w.p, w.kv[0][0:BI, 0:DH], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
             T.barrier_arrive(w.free[0])
             T.barrier_wait(w.p_full[1], i & 1)
-            T.gemm(w.p_s, w.kv[1][0], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.gemm(w.p_s, w.kv[1][0:BI, 0:DH], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
             T.barrier_arrive(w.free[1])
         else:
             T.barrier_wait(w.p_full[0], i & 1)
-            T.gemm(w.p_s, w.kv[0][1], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.gemm(w.p_s, w.kv[0][0:BI, DH:D], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
             T.barrier_arrive(w.free[0])
             T.copy(w.acc_s, w.p_s)
             T.fence_proxy_async()
             T.barrier_arrive(w.p_full[1])
-            T.gemm(w.p, w.kv[1][1], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.gemm(w.p, w.kv[1][0:BI, DH:D], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
             T.barrier_arrive(w.free[1])
 
     @T.macro
@@ -500,15 +495,9 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         Lse: T.Tensor([B, S, heads], acc),
     ):
         with T.Kernel(NG * rep, B, kv_group, threads=384) as (bx, b, g):
-            q_l = T.alloc_shared([h_blk, DH], dtype)
-            q_r = T.alloc_shared([h_blk, DH], dtype)
-            q_t = T.alloc_shared([h_blk, DT], dtype)
-            kv0_l = T.alloc_shared([BI, DH], dtype)
-            kv0_r = T.alloc_shared([BI, DH], dtype)
-            kt0 = T.alloc_shared([BI, DT], dtype)
-            kv1_l = T.alloc_shared([BI, DH], dtype)
-            kv1_r = T.alloc_shared([BI, DH], dtype)
-            kt1 = T.alloc_shared([BI, DT], dtype)
+            q_s = T.alloc_shared([h_blk, D + DT], dtype)
+            kv0 = T.alloc_shared([BI, D + DT], dtype)
+            kv1 = T.alloc_shared([BI, D + DT], dtype)
             p_s = T.alloc_shared([h_blk, BI], dtype)
             max_s = T.alloc_shared([2, h_blk], acc)
             sum_s = T.alloc_shared([2, h_blk], acc)
@@ -545,15 +534,12 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             nb = T.min(slot_blocks(Extent[b, s, g], BI), NI)
             pairs = (nb + 1) // 2
             tx = T.get_thread_binding()
-            for h, d in T.Parallel(h_blk, DH):
-                q_l[h, d] = load_rows(Q, b, s, h0, h, d, S)
-                q_r[h, d] = load_rows(Q, b, s, h0, h, DH + d, S)
-            for h, d in T.Parallel(h_blk, DT):
-                q_t[h, d] = load_rows(Q, b, s, h0, h, D + d, S)
+            for h, d in T.Parallel(h_blk, D + DT):
+                q_s[h, d] = load_rows(Q, b, s, h0, h, d, S)
             T.sync_threads()
-            kv = ((kv0_l, kv0_r, kt0), (kv1_l, kv1_r, kt1))
-            shared = dict(tx=tx, nb=nb, Indices=Indices, Members=Members, KV=KV, b=b, s=s, g=g, q_l=q_l, q_r=q_r,
-                          q_t=q_t, kv=kv, p_s=p_s, max_s=max_s, full=(full0, full1), free=(free0, free1),
+            kv = (kv0, kv1)
+            shared = dict(tx=tx, nb=nb, Indices=Indices, Members=Members, KV=KV, b=b, s=s, g=g, q_s=q_s,
+                          kv=kv, p_s=p_s, max_s=max_s, full=(full0, full1), free=(free0, free1),
                           max_full=max_full, p_full=(p_full0, p_full1), sum_s=sum_s, sum_full=sum_full,
                           Out=Out, Lse=Lse, h0=h0, S=S)
             if tx < 128:
@@ -726,6 +712,11 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     K = topk * R
     assert K % BS == 0
     D, DT, NS = d_v, d_tail, K // BS
+    # one tile: Q and each kv block as [rows, D + DT] shared tiles, one score GEMM (R = 1: 6%
+    # faster, session 11). Row groups keep Q / kv split at D: one-tiled they spill 170-190 bytes
+    # (vs 50) and ran 8% slower.
+    one_tile = R == 1
+    QW = D + DT if one_tile else D
     scale, scale2 = float(sm_scale), float(sm_scale) * LOG2E
     dtype, acc = T.bfloat16, T.float32
     B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
@@ -741,10 +732,11 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         for rr in T.unroll(BS // 16):
             e = rr * 16 + tp // 8
             key = gather_row(w.Indices[w.b, w.s, w.g, blk * BS + e], n_kv, True)
-            for u in T.unroll(D // 64):
+            for u in T.unroll(QW // 64):
                 T.ptx_cp_async(T.access_ptr(w.kv_s[e, u * 64 + c], "w", 8),
                                T.access_ptr(w.KV[w.b, key, w.g, u * 64 + c], "r", 8), 8)
-            T.ptx_cp_async(T.access_ptr(w.kt_s[e, c], "w", 8), T.access_ptr(w.KV[w.b, key, w.g, D + c], "r", 8), 8)
+            if not one_tile:
+                T.ptx_cp_async(T.access_ptr(w.kt_s[e, c], "w", 8), T.access_ptr(w.KV[w.b, key, w.g, D + c], "r", 8), 8)
         T.cp_async_barrier_noinc(w.full)
 
     @T.macro
@@ -773,15 +765,18 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         for h, j in T.Parallel(h_blk, BS):
             w.acc_p[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
         T.gemm(w.q_s, w.kv_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-        T.gemm(w.qt_s, w.kt_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-        _block_ds_dq(w, w.kv_s, w.kt_s, scale, scale2, S, load_lse, h_blk, BS)
+        if one_tile:
+            _block_ds_dq(w, w.kv_s[0:BS, 0:D], w.kv_s[0:BS, D:D + DT], scale, scale2, S, load_lse, h_blk, BS)
+        else:
+            T.gemm(w.qt_s, w.kt_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+            _block_ds_dq(w, w.kv_s, w.kt_s, scale, scale2, S, load_lse, h_blk, BS)
         T.barrier_arrive(w.kv_free)  # warpgroup 2 may gather the next block now
         for half in T.unroll(2):
             sl = slice(half * SR, (half + 1) * SR)
-            T.gemm(w.dp_s[0:h_blk, sl], w.q_s, w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+            T.gemm(w.dp_s[0:h_blk, sl], w.q_parts[0], w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
                    clear_accum=True)
             T.gemm(w.p_s[0:h_blk, sl], w.do_s, w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-            T.gemm(w.dp_s[0:h_blk, sl], w.qt_s, w.acc_dkvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+            T.gemm(w.dp_s[0:h_blk, sl], w.q_parts[1], w.acc_dkvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
                    clear_accum=True)
             # the stage's previous half (this block's first, or the last block's second) is drained
             if half == 1:
@@ -806,11 +801,11 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         dKV: T.Tensor([B, SKV1, kv_group, D + DT], acc),
     ):
         with T.Kernel(NG, B, kv_group * nh, threads=384) as (bx, b, bz):
-            q_s = T.alloc_shared([h_blk, D], dtype)
-            qt_s = T.alloc_shared([h_blk, DT], dtype)
+            q_s = T.alloc_shared([h_blk, QW], dtype)
+            qt_s = T.alloc_shared([h_blk, DT], dtype) if not one_tile else None
             do_s = T.alloc_shared([h_blk, D], dtype)
-            kv_s = T.alloc_shared([BS, D], dtype)
-            kt_s = T.alloc_shared([BS, DT], dtype)
+            kv_s = T.alloc_shared([BS, QW], dtype)
+            kt_s = T.alloc_shared([BS, DT], dtype) if not one_tile else None
             p_s = T.alloc_shared([h_blk, BS], dtype)
             dp_s = T.alloc_shared([h_blk, BS], dtype)
             # rows padded by 8 floats: the MMA warps' fragment stores of 8 rows then fall in distinct banks
@@ -837,11 +832,18 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             h0 = g * hg + (bz % nh) * h_blk
             nb = T.min(slot_blocks(Extent[b, s, g], BS), NS)
             tx = T.get_thread_binding()
-            _load_q_do(Q, dO, q_s, qt_s, do_s, b, s, h0, S, load_rows, h_blk, D, DT)
+            if one_tile:
+                for h, d in T.Parallel(h_blk, D + DT):
+                    q_s[h, d] = load_rows(Q, b, s, h0, h, d, S)
+                for h, d in T.Parallel(h_blk, D):
+                    do_s[h, d] = load_rows(dO, b, s, h0, h, d, S)
+            else:
+                _load_q_do(Q, dO, q_s, qt_s, do_s, b, s, h0, S, load_rows, h_blk, D, DT)
             T.sync_threads()
+            q_parts = (q_s[0:h_blk, 0:D], q_s[0:h_blk, D:D + DT]) if one_tile else (q_s, qt_s)
             w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, O=O, dO=dO, Lse=Lse, dKV=dKV, b=b, s=s, g=g,
                                 h0=h0, valid=valid, acc_p=acc_p, acc_dp=acc_dp, acc_dq=acc_dq, acc_dqt=acc_dqt,
-                                acc_dkv=acc_dkv, acc_dkvt=acc_dkvt, q_s=q_s, qt_s=qt_s, do_s=do_s, kv_s=kv_s,
+                                acc_dkv=acc_dkv, acc_dkvt=acc_dkvt, q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s, kv_s=kv_s,
                                 kt_s=kt_s, p_s=p_s, dp_s=dp_s, dkv_s=dkv_s, dkvt_s=dkvt_s, delta_s=delta_s,
                                 full=full, kv_free=kv_free, stage_full=stage_full, stage_free=stage_free)
             if tx < 256:
