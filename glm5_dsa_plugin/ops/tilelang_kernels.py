@@ -843,8 +843,8 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             q_parts = (q_s[0:h_blk, 0:D], q_s[0:h_blk, D:D + DT]) if one_tile else (q_s, qt_s)
             w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, O=O, dO=dO, Lse=Lse, dKV=dKV, b=b, s=s, g=g,
                                 h0=h0, valid=valid, acc_p=acc_p, acc_dp=acc_dp, acc_dq=acc_dq, acc_dqt=acc_dqt,
-                                acc_dkv=acc_dkv, acc_dkvt=acc_dkvt, q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s, kv_s=kv_s,
-                                kt_s=kt_s, p_s=p_s, dp_s=dp_s, dkv_s=dkv_s, dkvt_s=dkvt_s, delta_s=delta_s,
+                                acc_dkv=acc_dkv, acc_dkvt=acc_dkvt, q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s,
+                                kv_s=kv_s, kt_s=kt_s, p_s=p_s, dp_s=dp_s, dkv_s=dkv_s, dkvt_s=dkvt_s, delta_s=delta_s,
                                 full=full, kv_free=kv_free, stage_full=stage_full, stage_free=stage_free)
             if tx < 256:
                 T.set_max_nreg(mma_regs, 1)
