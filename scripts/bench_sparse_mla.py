@@ -184,7 +184,8 @@ def guard_repair_cost(gen, frac=0.01):
 def gpu_idle(step, calls=3, top=6):
     """Where the GPU waits on the host: ``calls`` calls of ``step`` under torch.profiler ->
     (GPU-idle microseconds per call between the first and last GPU activity, the ``top`` largest
-    gaps as "us: kernel before -> kernel after")."""
+    gaps as "us: kernel before -> kernel after", GPU microseconds per call by kernel name: the
+    ``top`` largest and the rest summed)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -204,7 +205,12 @@ def gpu_idle(step, calls=3, top=6):
             end, prev = stop, name
     short = lambda n: n.split("(")[0][:40]  # noqa: E731
     idle = sum(g for g, _, _ in gaps) / calls
-    return idle, [f"{g:.0f}: {short(a)} -> {short(b)}" for g, a, b in sorted(gaps, reverse=True)[:top]]
+    busy: dict[str, float] = {}
+    for start, stop, name in gpu:
+        busy[short(name)] = busy.get(short(name), 0.0) + (stop - start) / calls
+    ranked = sorted(busy.items(), key=lambda kv: -kv[1])
+    by_kernel = dict(ranked[:top]) | {"(rest)": sum(us for _, us in ranked[top:])}
+    return idle, [f"{g:.0f}: {short(a)} -> {short(b)}" for g, a, b in sorted(gaps, reverse=True)[:top]], by_kernel
 
 
 def write_host_profile(q, kv, idx, g, path, calls=50):
@@ -381,10 +387,24 @@ def main():
             if validate:  # where the GPU idles, per policy (profiled calls, so slower than the timings)
                 for pol in times:
                     configure(policy=pol)
-                    idle, gaps = gpu_idle(step)
+                    idle, gaps, by_kernel = gpu_idle(step)
                     extra[f"W2_H64_gpu_idle_us_per_call_guard={pol}"] = idle
                     extra[f"W2_H64_largest_gaps_us_guard={pol}"] = gaps
+                    extra[f"W2_H64_gpu_us_per_call_by_kernel_guard={pol}"] = by_kernel
         configure(policy="fallback")
+        # W2 H16 (row groups; goal 4.5 ms fwd+bwd): the default call's GPU time by kernel and its idle
+        q16 = torch.randn(4096, 16, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad16 = torch.randn(4096, 16, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+        def step16():
+            q16.grad = kv.grad = None
+            sparse_mla(q16, kv, idx, SCALE, d_v=D_V, backend="tilelang")[0].backward(grad16)
+
+        idle, gaps, by_kernel = gpu_idle(step16)
+        extra["W2_H16_gpu_idle_us_per_call"] = idle
+        extra["W2_H16_largest_gaps_us"] = gaps
+        extra["W2_H16_gpu_us_per_call_by_kernel"] = by_kernel
+        del q16, grad16
         # the guard's GPU work alone: one finiteness launch per direction (W2 H64 out+lse, dq+dkv)
         from glm5_dsa_plugin.ops.triton_helpers import flag_nonfinite
 
