@@ -208,7 +208,7 @@ def gpu_idle(step, calls=3, top=6):
     busy: dict[str, float] = {}
     for start, stop, name in gpu:
         busy[short(name)] = busy.get(short(name), 0.0) + (stop - start) / calls
-    ranked = sorted(busy.items(), key=lambda kv: -kv[1])
+    ranked = sorted(busy.items(), key=lambda item: -item[1])
     by_kernel = dict(ranked[:top]) | {"(rest)": sum(us for _, us in ranked[top:])}
     return idle, [f"{g:.0f}: {short(a)} -> {short(b)}" for g, a, b in sorted(gaps, reverse=True)[:top]], by_kernel
 

@@ -765,11 +765,9 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         for h, j in T.Parallel(h_blk, BS):
             w.acc_p[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
         T.gemm(w.q_s, w.kv_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-        if one_tile:
-            _block_ds_dq(w, w.kv_s[0:BS, 0:D], w.kv_s[0:BS, D:D + DT], scale, scale2, S, load_lse, h_blk, BS)
-        else:
+        if not one_tile:
             T.gemm(w.qt_s, w.kt_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-            _block_ds_dq(w, w.kv_s, w.kt_s, scale, scale2, S, load_lse, h_blk, BS)
+        _block_ds_dq(w, *w.kv_parts, scale, scale2, S, load_lse, h_blk, BS)
         T.barrier_arrive(w.kv_free)  # warpgroup 2 may gather the next block now
         for half in T.unroll(2):
             sl = slice(half * SR, (half + 1) * SR)
@@ -840,11 +838,14 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             else:
                 _load_q_do(Q, dO, q_s, qt_s, do_s, b, s, h0, S, load_rows, h_blk, D, DT)
             T.sync_threads()
+            # Q and the kv block as (first d_v columns, rope tail) GEMM operands
             q_parts = (q_s[0:h_blk, 0:D], q_s[0:h_blk, D:D + DT]) if one_tile else (q_s, qt_s)
+            kv_parts = (kv_s[0:BS, 0:D], kv_s[0:BS, D:D + DT]) if one_tile else (kv_s, kt_s)
             w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, O=O, dO=dO, Lse=Lse, dKV=dKV, b=b, s=s, g=g,
                                 h0=h0, valid=valid, acc_p=acc_p, acc_dp=acc_dp, acc_dq=acc_dq, acc_dqt=acc_dqt,
                                 acc_dkv=acc_dkv, acc_dkvt=acc_dkvt, q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s,
-                                kv_s=kv_s, kt_s=kt_s, p_s=p_s, dp_s=dp_s, dkv_s=dkv_s, dkvt_s=dkvt_s, delta_s=delta_s,
+                                kv_s=kv_s, kt_s=kt_s, kv_parts=kv_parts, p_s=p_s, dp_s=dp_s, dkv_s=dkv_s,
+                                dkvt_s=dkvt_s, delta_s=delta_s,
                                 full=full, kv_free=kv_free, stage_full=stage_full, stage_free=stage_free)
             if tx < 256:
                 T.set_max_nreg(mma_regs, 1)
