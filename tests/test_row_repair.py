@@ -69,3 +69,64 @@ print("OK")
 
 def test_device_backward_repair_matches_reference_in_interpreter():
     run_interpreted(SCRIPT)
+
+
+FORWARD_SCRIPT = r"""
+import torch
+from glm5_dsa_plugin.ops import reference
+from glm5_dsa_plugin.ops.contract import EMPTY_ROW_LSE
+from glm5_dsa_plugin.ops.row_repair import repair_forward_rows
+
+g = torch.Generator().manual_seed(1)
+
+def case(B, T, T_kv, H, G, K, d_v, d_t, dtype):
+    D = d_v + d_t
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)
+    kv = torch.randn(B, T_kv, G, D, generator=g).to(dtype)
+    idx = torch.randint(0, T_kv, (B, T, G, K), generator=g, dtype=torch.int32)
+    idx[torch.rand(B, T, G, K, generator=g) < 0.3] = -1
+    idx[0, 1] = -1  # a row with no valid slot
+    idx[B - 1, 2, 0, 0] = T_kv + 3  # out of range: padding for the kernels (validation is elsewhere)
+    scale = D ** -0.5
+    want_out, want_lse = reference.forward(q, kv, idx.masked_fill(idx >= T_kv, -1), scale, d_v)
+    # what a backend returns, a few rows poisoned with random values and one NaN / inf (out or lse)
+    out = torch.randn(B, T, H, d_v, generator=g).to(dtype)
+    lse = torch.randn(B, T, H, generator=g)
+    bad = [(0, 1), (B - 1, 2), (0, 3)]
+    out[0, 1, H - 1, 0] = float("nan")
+    lse[B - 1, 2, 0] = float("inf")
+    out[0, 3, 0, d_v - 1] = float("-inf")
+    before_out, before_lse = out.clone(), lse.clone()
+    flags = torch.zeros(8, dtype=torch.int32)
+    repair_forward_rows(q, kv, idx, scale, d_v, out, lse, flags)  # flag clear: nothing changes
+    assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       before_out.view(torch.int16 if dtype != torch.float32 else torch.int32)), "flag clear: out changed"
+    assert torch.equal(lse, before_lse) and flags.tolist() == [0] * 8
+    flags[1] = 1
+    repair_forward_rows(q, kv, idx, scale, d_v, out, lse, flags)
+    rows = torch.zeros(B, T, dtype=torch.bool)
+    for b, t in bad: rows[b, t] = True
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(out[rows].float(), want_out[rows].float(), **tol)
+    torch.testing.assert_close(lse[rows], want_lse[rows], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[~rows], before_out[~rows]) and torch.equal(lse[~rows], before_lse[~rows]), "good rows touched"
+    assert (out[0, 1] == 0).all() and (lse[0, 1] == EMPTY_ROW_LSE).all(), "empty row: out 0, lse EMPTY_ROW_LSE"
+    assert flags.tolist()[1:5] == [1, 0, len(bad), 0], flags
+    # bad inputs: a NaN in q keeps the recomputed row nonfinite -> flags[2]
+    q2 = q.clone(); q2[0, 3, 0, 0] = float("nan")
+    out2, lse2 = before_out.clone(), before_lse.clone()
+    flags = torch.zeros(8, dtype=torch.int32); flags[1] = 1
+    repair_forward_rows(q2, kv, idx, scale, d_v, out2, lse2, flags)
+    assert flags[2] == 1, flags
+
+case(2, 9, 13, 4, 2, 40, 32, 16, torch.float32)   # G=2, topk not a multiple of the slot step
+case(1, 7, 11, 20, 1, 24, 64, 8, torch.bfloat16)  # 20 heads: two head blocks, one partial
+print("OK")
+"""
+
+
+def test_device_forward_repair_matches_reference_in_interpreter():
+    """The forward's device-side repair: poisoned rows (every head) come back equal to the
+    reference, other rows bit for bit, the empty row as the contract says; counters and the
+    still-nonfinite flag as for the backward."""
+    run_interpreted(FORWARD_SCRIPT)

@@ -1,9 +1,11 @@
-"""Device-side row repair of a sparse-MLA backward (the guard's ``fallback`` on CUDA), no host sync.
+"""Device-side row repair of a sparse-MLA call (the guard's ``fallback`` on CUDA), no host sync.
 
-The guard's host-side repair must read the nonfinite flag before it returns dq/dkv, and that
-read drains the GPU queue on every call. These three launches instead sit behind the backward
-on its stream and do nothing but read the flag when it is zero (the happy path); when it is set
-they rebuild, in fp32 and the reference's math, exactly what the host-side repair rebuilds:
+The guard's host-side repair must read the nonfinite flag before it returns, and that read
+drains the GPU queue on every call. These launches instead sit behind the kernels on their
+stream and do nothing but read the flag when it is zero (the happy path); when it is set they
+rebuild, in fp32 and the reference's math, exactly what the host-side repair rebuilds.
+
+Backward (``repair_backward_rows``, three launches):
 
 1. ``_mark_bad_rows``: per kv row (b, s): ``bad_kv[b, s] = dkv[b, s]`` holds NaN/inf (any
    group, any channel); a bad row's fp32 accumulator is zeroed; ``flags[4]`` counts bad rows.
@@ -18,14 +20,20 @@ they rebuild, in fp32 and the reference's math, exactly what the host-side repai
    contribution (dS^T q, plus p^T dO on the value channels) to that row's accumulator. So a bad
    kv row is rebuilt from *every* query row that selected it, not patched.
 3. ``_write_bad_kv_rows``: bad kv rows of dkv <- their accumulators.
-``flags[2]`` is set when a repaired value is still nonfinite (the inputs themselves are bad).
 
-Flags (int32, device): [1] some output nonfinite (set by the backward), [2] still nonfinite after
-repair, [3] query rows repaired, [4] kv rows repaired. Slots are valid iff 0 <= idx < T_kv, so a
+Forward (``repair_forward_rows``, two launches): ``_mark_bad_out_rows`` marks the query rows
+whose out or lse holds NaN/inf (any head; ``flags[3]`` counts them), then
+``_repair_forward_rows`` recomputes out and lse of every head of those rows (two passes over the
+slots: softmax max/denominator, then sum p * v), the contract's values for a row with no valid
+slot included (out 0, lse ``EMPTY_ROW_LSE``).
+
+``flags[2]`` is set when a repaired value is still nonfinite (the inputs themselves are bad).
+Flags (int32, device): [1] some output nonfinite (set by the call's check), [2] still nonfinite
+after repair, [3] query rows repaired, [4] kv rows repaired. Slots are valid iff 0 <= idx < T_kv, so a
 backend's prepared indices (padding rewritten to a sentinel row index T_kv) are read as they are.
 Math in fp32 accumulators on the tensor cores: bf16 inputs multiply as they are (exact
 products), fp32 factors (p, dS) as hi + lo bf16 halves (about 16 mantissa bits); other input
-dtypes as three TF32 products. Outputs in the dtype of dq/dkv. Runs under
+dtypes as three TF32 products. Outputs in the dtype of the repaired tensor. Runs under
 ``TRITON_INTERPRET=1`` on CPU (how CI tests it).
 """
 
@@ -37,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .contract import EMPTY_ROW_LSE
 from .triton_helpers import _any_nonfinite, _has_nonfinite
 
 HEADS_PER_PROGRAM = 16  # rows of each tl.dot (its minimum M)
@@ -137,6 +146,24 @@ def _scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16: tl.constexpr, PREC: tl.co
 
 
 @triton.jit
+def _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V: tl.constexpr, D_T: tl.constexpr,
+             BV: tl.constexpr, BT: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
+             BF16: tl.constexpr):
+    """One pass over a row's slots -> (row max [HB], -inf for a row with no valid slot; lse [HB],
+    natural log, 0 for such a row, so that exp(score - lse) is 0 at every slot)."""
+    m_i = tl.full([HB], float("-inf"), tl.float32)
+    l_i = tl.zeros([HB], tl.float32)
+    for s0 in range(0, K, BS):
+        valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
+        s = _scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+        m_i = m_new
+    return m_i, tl.where(m_i == float("-inf"), 0.0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)))
+
+
+@triton.jit
 def _repair_query_rows(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, n_rows, T, T_kv, H: tl.constexpr, HG: tl.constexpr,
                        G: tl.constexpr, K: tl.constexpr, sm_scale,
                        s_kb, s_ks, s_kg, s_ib, s_it, s_ig,
@@ -188,17 +215,8 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
         q_t = tl.load(Q + qrow + D_V + ot[None, :], mask=mh[:, None] & mt[None, :], other=0.0)
         do = tl.load(DO + (row * H + h[:, None]) * D_V + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
         # pass 1: row max and softmax denominator per head
-        m_i = tl.full([HB], float("-inf"), tl.float32)
-        l_i = tl.zeros([HB], tl.float32)
-        for s0 in range(0, K, BS):
-            valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
-            s = _scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
-            m_i = m_new
-        # rows with no valid slot: p == 0 everywhere (exp(-inf - 0))
-        lse = tl.where(m_i == float("-inf"), 0.0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)))
+        m_i, lse = _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T, BV, BT, HB, BS,
+                            PREC, BF16)
         # pass 2: Delta = sum_j p_j * dp_j
         delta = tl.zeros([HB], tl.float32)
         for s0 in range(0, K, BS):
@@ -276,3 +294,93 @@ def repair_backward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         D_V=d_v, D_T=D - d_v, BV=triton.next_power_of_2(d_v), BT=max(16, triton.next_power_of_2(D - d_v)),
         HB=hb, BS=slots_per_step, PREC=precision, ROWS=rows_per_program, BF16=bf16_dots, num_warps=num_warps)
     _write_bad_kv_rows[(n_kv_rows,)](dkv, bad_kv, acc, flags, row_elems, BLOCK=block)
+
+
+@triton.jit
+def _mark_bad_out_rows(OUT, LSE, BAD_Q, FLAGS, O_ROW: tl.constexpr, L_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """Program r: query row r (b * T + t) is bad when its out (O_ROW entries) or lse (L_ROW) holds NaN/inf."""
+    if tl.load(FLAGS + 1) != 0:
+        r = tl.program_id(0).to(tl.int64)
+        bad = tl.maximum(_row_has_nonfinite(OUT, r, O_ROW, BLOCK), _row_has_nonfinite(LSE, r, L_ROW, BLOCK))
+        tl.store(BAD_Q + r, bad)
+        if bad > 0:
+            tl.atomic_add(FLAGS + 3, 1)
+
+
+@triton.jit
+def _repair_forward_rows(Q, KV, IDX, OUT, LSE, BAD_Q, FLAGS, n_rows, T, T_kv, H: tl.constexpr, HG: tl.constexpr,
+                         K: tl.constexpr, sm_scale, s_kb, s_ks, s_kg, s_ib, s_it, s_ig,
+                         D_V: tl.constexpr, D_T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                         HB: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr,
+                         BF16: tl.constexpr, EMPTY_LSE: tl.constexpr):
+    """Program (block of ROWS query rows b * T + t, g * cdiv(HG, HB) + head block): out / lse of
+    the block's heads recomputed for rows marked in BAD_Q. Q [B, T, H, D_V + D_T], OUT [B, T, H, D_V]
+    and LSE [B, T, H] contiguous; KV and IDX strided."""
+    if tl.load(FLAGS + 1) != 0:
+        n_hb = tl.cdiv(HG, HB)
+        g, hb = tl.program_id(1) // n_hb, tl.program_id(1) % n_hb
+        D: tl.constexpr = D_V + D_T
+        ov, ot = tl.arange(0, BV), tl.arange(0, BT)
+        mv, mt = ov < D_V, ot < D_T
+        hl = hb * HB + tl.arange(0, HB)  # head within the group
+        mh = hl < HG
+        h = g * HG + hl
+        for rr in range(ROWS):
+            row = tl.program_id(0).to(tl.int64) * ROWS + rr
+            if row < n_rows:
+                if tl.load(BAD_Q + row) != 0:
+                    b, t = row // T, row % T
+                    i_base = b * s_ib + t * s_it + g * s_ig
+                    kv_base = b * s_kb + g * s_kg
+                    qrow = (row * H + h[:, None]) * D
+                    q_v = tl.load(Q + qrow + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
+                    q_t = tl.load(Q + qrow + D_V + ot[None, :], mask=mh[:, None] & mt[None, :], other=0.0)
+                    m_i, lse = _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T, BV, BT,
+                                        HB, BS, PREC, BF16)
+                    o = tl.zeros([HB, BV], tl.float32)
+                    for s0 in range(0, K, BS):
+                        valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV,
+                                                            BT, BS)
+                        p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - lse[:, None])
+                        o += _mm(p, k_v, BF16, PREC)
+                    x = o.to(OUT.dtype.element_ty)  # a row with no valid slot: p == 0, out exactly 0
+                    lse = tl.where(m_i == float("-inf"), EMPTY_LSE, lse)
+                    tl.store(OUT + (row * H + h[:, None]) * D_V + ov[None, :], x, mask=mh[:, None] & mv[None, :])
+                    tl.store(LSE + row * H + h, lse, mask=mh)
+                    if tl.maximum(tl.max(_has_nonfinite(x)), _has_nonfinite(lse)) > 0:
+                        tl.atomic_max(FLAGS + 2, 1)
+
+
+def repair_forward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+                        out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor, precision: str = DOT_PRECISION,
+                        slots_per_step: int = SLOTS_PER_STEP, num_warps: int = 8,
+                        rows_per_program: int = ROWS_PER_PROGRAM) -> None:
+    """Repair out [B,T,H,d_v] and lse [B,T,H] fp32 (contiguous) in place when ``flags[1] != 0``:
+    every head of a query row whose out or lse holds NaN/inf is recomputed (module docstring);
+    ``flags[3]`` counts those rows, ``flags[2]`` is set when a recomputed value is still
+    nonfinite. q [B,T,H,Dqk]; kv [B,T_kv,G,Dqk] and indices [B,T,G,K] as the call saw them (may
+    be strided views; a slot outside [0, T_kv) counts as padding). ``flags``: int32 [>= 5],
+    device. Two launches, no host sync; with ``flags[1] == 0`` they only read it."""
+    B, T, H, D = q.shape
+    T_kv, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
+    if not (out.is_contiguous() and lse.is_contiguous()):
+        raise ValueError("repair_forward_rows: out and lse must be contiguous (repaired in place)")
+    if kv.stride(-1) != 1 or indices.stride(-1) != 1:
+        raise ValueError("repair_forward_rows: kv and indices need unit stride in their last dim")
+    if flags.dtype != torch.int32 or flags.numel() < 5:
+        raise ValueError("repair_forward_rows: flags must be int32 with >= 5 slots")
+    if B * T == 0:
+        return
+    q = q.contiguous()
+    HG = H // G
+    bad_q = torch.empty(B * T, dtype=torch.int32, device=q.device)
+    _mark_bad_out_rows[(B * T,)](out, lse, bad_q, flags, O_ROW=H * d_v, L_ROW=H, BLOCK=1024)
+    bf16_dots = (q.dtype == kv.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+    hb = HEADS_PER_PROGRAM
+    grid = (triton.cdiv(B * T, rows_per_program), G * triton.cdiv(HG, hb))
+    _repair_forward_rows[grid](
+        q, kv, indices, out, lse, bad_q, flags, B * T, T, T_kv, H, HG, K, float(sm_scale),
+        kv.stride(0), kv.stride(1), kv.stride(2), indices.stride(0), indices.stride(1), indices.stride(2),
+        D_V=d_v, D_T=D - d_v, BV=triton.next_power_of_2(d_v), BT=max(16, triton.next_power_of_2(D - d_v)),
+        HB=hb, BS=slots_per_step, PREC=precision, ROWS=rows_per_program, BF16=bf16_dots, EMPTY_LSE=EMPTY_ROW_LSE,
+        num_warps=num_warps)
