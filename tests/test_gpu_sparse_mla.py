@@ -283,6 +283,71 @@ def test_bad_index_raises_on_the_tilelang_path():
         sparse_mla(q, kv, idx, SCALE, backend="tilelang")
 
 
+def test_bad_index_of_a_recorded_forward_raises_in_its_backward():
+    """Under autograd the forward does not read the index flag (no stall); its backward raises the
+    same error, naming the entry, before any gradient is returned."""
+    q = torch.randn(64, 16, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(80, 1, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.randint(-1, 80, (64, 1, 64), device="cuda", dtype=torch.int32)
+    idx[10, 0, 7] = 80
+    out, _ = sparse_mla(q, kv, idx, SCALE, backend="tilelang")
+    with pytest.raises(ValueError, match=r"row=10, group=0, slot=7\] = 80: index 80 >= capacity T_kv=80.*after the call"):
+        out.float().sum().backward()
+    assert q.grad is None and kv.grad is None
+
+
+@pytest.mark.parametrize("H", [16, 64])
+def test_device_side_forward_repair(tmp_path, H):
+    """Fallback on CUDA under autograd: out rows / lse rows a TileLang forward returns nonfinite
+    are repaired on the device before the call returns (no flag read): they equal the fp32
+    reference, every other row is bitwise what the backend returned; the event is counted and
+    dumped when the flags are settled (the backward)."""
+    from glm5_dsa_plugin.ops import configure, guard_stats, reset_guard_stats
+    from glm5_dsa_plugin.ops.backends import register_backend
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    T, K = 512, 256
+    bad_out, bad_lse = [3, 300], [100]
+    returned = {}
+
+    class NaNRows(TileLangBackend):
+        name = "tilelang_nan_fwd_rows"
+
+        def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
+            out, lse, saved = super().forward_saving(q, kv, indices, sm_scale, d_v, index_flag)
+            out[:, bad_out] = torch.randn_like(out[:, bad_out])
+            out[:, bad_out, 0, 0] = float("nan")
+            lse[:, bad_lse, -1] = float("inf")
+            returned.setdefault("out", out.clone())  # the first call (the dump recomputes)
+            returned.setdefault("lse", lse.clone())
+            return out, lse, saved
+
+    register_backend(NaNRows.name, NaNRows, replace=True)
+    configure(policy="fallback", dump_dir=str(tmp_path), dump_every=1)
+    reset_guard_stats()
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    idx = w2_indices(T, K, gen, empty_rows=(300,))
+    q = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(T, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, lse = sparse_mla(q, kv, idx, SCALE, backend=NaNRows.name)
+    r_out, r_lse = ref.forward(q.detach().float()[None], kv.detach().float()[None], idx[None], SCALE, 512)
+    rows = torch.zeros(T, dtype=torch.bool, device="cuda")
+    rows[bad_out + bad_lse] = True
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel_l2(out[rows], r_out[0][rows]) <= 3e-3
+    torch.testing.assert_close(lse[rows], r_lse[0][rows], rtol=1e-4, atol=1e-3)
+    assert torch.all(out[300] == 0) and torch.all(lse[300] == EMPTY_ROW_LSE)  # the empty row
+    assert torch.equal(out[~rows], returned["out"][0][~rows]) and torch.equal(lse[~rows], returned["lse"][0][~rows])
+    with pytest.warns(RuntimeWarning, match="repaired"):
+        out.float().sum().backward()
+        st = guard_stats()
+    assert st["events"] == 1 and st["rows_repaired"] == len(bad_out + bad_lse), st
+    dump = torch.load(st["dumps"][0], weights_only=False)
+    assert dump["bad_outputs_recomputed"] and torch.isnan(dump["bad_outputs"]["out"]).any()
+    configure(policy="fallback", dump_dir="glm5_dsa_dumps", dump_every=100)
+    reset_guard_stats()
+
+
 @pytest.mark.parametrize("H,G", [(64, 1), (128, 1), (16, 2)])
 def test_deterministic_backward_is_bitwise_reproducible_and_exact(H, G):
     """deterministic=True: 20 backward runs give bitwise identical dq/dkv, equal to the reference;

@@ -338,7 +338,8 @@ def test_deferred_backward_flags_are_settled_in_order(faulty, monkeypatch):
     monkeypatch.setattr(guard, "_pending", pending)
     faulty.dq_rows = [(0, 1)]
     q, kv, idx, g = _inputs()
-    call = (faulty, q.detach(), (kv.detach(), idx), idx.shape[-1], None, None, g, 0.4, 8)
+    args = (faulty, q.detach(), (kv.detach(), idx), idx.shape[-1], None, None, g, 0.4, 8)
+    call = lambda values: guard._settle_backward_event(values, args)  # noqa: E731
 
     def flags(nonfinite, still=0, rows=0, kv_rows=0):
         f = torch.zeros(guard.FLAG_SLOTS, dtype=torch.int32)
@@ -365,3 +366,42 @@ def test_deferred_backward_flags_are_settled_in_order(faulty, monkeypatch):
     pending.push(flags(1, still=1, rows=1), call)
     with pytest.raises(FloatingPointError, match="even in the reference repair"):
         pending.settle(wait_all=True)
+
+
+def test_index_error_of_a_recorded_forward_is_raised_in_its_backward(monkeypatch):
+    """A call autograd records, on a device whose flags are read late (CPU stand-ins for CUDA's
+    pinned copy and event): the forward returns without reading the index flag; the backward
+    raises the usual error (position and value, and that it was found late) before returning
+    gradients; without a backward, a later call raises it once the flags have arrived; a call
+    that no backward follows (no grad) raises before returning, as before."""
+    pending = _CpuPending()
+    monkeypatch.setattr(guard, "_pending", pending)
+    monkeypatch.setattr(guard, "_reads_late", lambda device: True)
+    register_backend("index_safe_ref", IndexSafeReference, replace=True)
+    configure(policy="off")  # the index flag alone (the forward's device repair needs CUDA)
+    try:
+        q, kv, idx, g = _inputs()
+        bad = idx.clone()
+        bad[0, 5, 1, 4] = -7
+        want = r"indices\[batch=0, row=5, group=1, slot=4\] = -7: index -7 < -1.*after the call returned"
+        out, _ = sparse_mla(q, kv, bad, 0.3, d_v=8, backend="index_safe_ref")  # no raise, no read
+        assert len(pending._queue) == 1
+        with pytest.raises(ValueError, match=want):
+            out.backward(g)
+        assert q.grad is None and not pending._queue
+        # no backward: the next call settles the arrived flags and raises for the bad call
+        sparse_mla(q, kv, bad, 0.3, d_v=8, backend="index_safe_ref")
+        pending._queue[0][2].done = True
+        with pytest.raises(ValueError, match=want):
+            sparse_mla(q, kv, idx, 0.3, d_v=8, backend="index_safe_ref")
+        # good indices: the backward settles them and returns the reference's gradients
+        out, _ = sparse_mla(q, kv, idx, 0.3, d_v=8, backend="index_safe_ref")
+        out.backward(g)
+        r_dq, _ = ref.backward(q.detach(), kv.detach(), idx, g, 0.3, 8)
+        torch.testing.assert_close(q.grad, r_dq, rtol=1e-12, atol=1e-12)
+        assert not pending._queue
+        with torch.no_grad(), pytest.raises(ValueError, match=r"row=5, group=1, slot=4\] = -7"):
+            sparse_mla(q, kv, bad, 0.3, d_v=8, backend="index_safe_ref")
+    finally:
+        unregister_backend("index_safe_ref")
+        configure(policy="fallback")

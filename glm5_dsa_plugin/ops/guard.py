@@ -5,15 +5,19 @@ Policy (per process): env ``GLM5_DSA_NONFINITE=fallback|raise|off`` or :func:`co
 Detection: after each fast-backend call, one device-side finiteness pass over the outputs
 (out/lse forward, dq/dkv backward; Triton on CUDA) into an int32 flag buffer. A backend with
 ``reports_nonfinite`` sets the backward's flag itself, fused into a pass it makes anyway
-(TileLang: the dKV conversion). The forward reads its flag on the host once (the same read also
-carries the deferred index-validation flag of a backend memory-safe for any index, see
-``backends.Backend``). The backward under ``fallback`` on CUDA reads none: the repair runs on
-the device behind the backward (``row_repair``: three launches that only read the flag on the
-happy path) and the flags travel to pinned host memory behind it; they are settled (counters,
-warning, dump, an error when even the repair is nonfinite) at the next guarded call once they
-have arrived, or by :func:`stats`. At most ``MAX_PENDING`` calls wait unsettled (their tensors
-stay referenced until then); one more waits for the oldest. ``raise``, CPU tensors and backends
-without CUDA read the flag at once, as the forward does.
+(TileLang: the dKV conversion). The forward's flags also carry the deferred index-validation
+flag of a backend memory-safe for any index (see ``backends.Backend``).
+
+When the flags are read: on CUDA under ``fallback`` (and ``off``, for the index flag) no call
+that autograd records reads them itself. The repair runs on the device behind the kernels
+(``row_repair``: launches that only read the flag on the happy path) and the flags travel to
+pinned host memory behind it. A forward's flags are settled by its own backward, after the
+backward's kernels are queued (an index violation raises there, before gradients are returned);
+a backward's flags, and those of a forward whose backward never runs, at the next guarded call
+once they have arrived, or by :func:`stats`. Settling counts, warns, dumps, and raises when even
+the repair was nonfinite. At most ``MAX_PENDING`` calls wait unsettled (their tensors stay
+referenced until then); one more waits for the oldest. ``raise``, CPU tensors, graph capture
+and forwards without a backward to come (no grad) read the flags before returning.
 
 Repair method (``fallback``):
   * forward: the query rows (b, t) whose out or lse holds a nonfinite value are recomputed
@@ -189,6 +193,12 @@ def _read(flags: torch.Tensor) -> list[int]:
     return flags.tolist()
 
 
+def _reads_late(device: torch.device) -> bool:
+    """Whether a call's flags may travel to the host behind its kernels and be read later (CUDA,
+    outside graph capture)."""
+    return device.type == "cuda" and not _capturing(device)
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -251,32 +261,52 @@ def originals(backend, saved: tuple, topk: int) -> tuple[torch.Tensor, torch.Ten
     return backend.originals(saved, topk) if hasattr(backend, "forward_saving") else saved
 
 
-def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool = False):
-    """Forward through ``backend`` with the nonfinite check -> (out, lse, saved) (see ``_forward``).
+def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool = False,
+                backward_follows: bool = False):
+    """Forward through ``backend`` with the nonfinite check -> (out, lse, saved, pending): ``saved``
+    as in ``_forward``; ``pending`` is None, or the queued flags that the call's backward must
+    settle (``settle_through``) before it returns gradients.
+
     ``defer_index_check`` (only for backends memory-safe on any index): the backend sets the
-    index-rule flag during the call and it is read in the same host read as the finiteness flag;
-    a violation raises the usual SparseMLAInputError (naming the first bad entry) instead of returning."""
+    index-rule flag during the call; it travels with the finiteness flag. A violation raises the
+    usual SparseMLAInputError (naming the first bad entry).
+
+    ``backward_follows`` (autograd recorded the call) on CUDA under ``fallback`` / ``off``: no
+    host read here. Bad out / lse rows are repaired on the device (``row_repair``) and the flags
+    travel to pinned host memory behind the kernels; they are settled at the latest by this
+    call's backward, else by a later guarded call or :func:`stats`, so an index violation raises
+    there instead of from this call. Otherwise (no backward to come, ``raise``, CPU, graph
+    capture) the flags are read before returning, as the backward does in those cases."""
+    _pending.settle()  # earlier calls' flags that have arrived (may raise for such a call)
     check = _cfg.policy != "off" and backend.name != "reference"
     flags = _new_flags(q.device) if (check or defer_index_check) else None
     out, lse, saved = _forward(backend, q, kv, indices, sm_scale, d_v, flags[0:1] if defer_index_check else None)
     if flags is None:
-        return out, lse, saved
+        return out, lse, saved, None
     if check:
         _flag_nonfinite(flags, 1, out, lse)
+    if backward_follows and _cfg.policy != "raise" and _reads_late(q.device):
+        if check:
+            from .row_repair import repair_forward_rows
+
+            out, lse = out.contiguous(), lse.contiguous()
+            repair_forward_rows(q, kv, indices, sm_scale, d_v, out, lse, flags)
+            _stats.calls_checked += 1
+        call = (backend, q, kv, indices, sm_scale, d_v)
+        return out, lse, saved, _pending.push(flags, lambda values: _settle_forward_event(values, call))
     bad_index, nonfinite = _read(flags)[:2]  # the one host read
     _pending.settle()  # earlier backwards' flags have arrived by now
     if bad_index:
-        check_indices(indices, kv.shape[1])
-        raise SparseMLAInputError("sparse_mla: indices hold an entry outside {-1} U [0, T_kv)")
+        _raise_index_error(indices, kv.shape[1])
     if not check:
-        return out, lse, saved
+        return out, lse, saved, None
     _stats.calls_checked += 1
     if not nonfinite:
-        return out, lse, saved
+        return out, lse, saved, None
     bad = _bad_rows(out) | _bad_rows(lse)
     rows = bad.nonzero()
     if rows.shape[0] == 0:
-        return out, lse, saved
+        return out, lse, saved, None
     path = _event("forward", backend, dict(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v),
                   dict(out=out, lse=lse), rows.shape[0])
     out, lse = out.clone(), lse.clone()
@@ -287,7 +317,41 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
     if not _all_finite(out, lse):
         raise FloatingPointError(f"sparse_mla forward is nonfinite even in the reference: inputs are bad (dump: {path})")
     _stats.rows_repaired += rows.shape[0]
-    return out, lse, saved
+    return out, lse, saved, None
+
+
+def _raise_index_error(indices: torch.Tensor, n_kv: int, settled_late: bool = False) -> None:
+    """The index rule was broken: SparseMLAInputError naming the first bad entry (``settled_late``:
+    the flag was read after the call had returned, which the message says)."""
+    late = (" (found when the forward's flags were settled, after the call returned: in its backward, "
+            "a later sparse_mla call or guard_stats())") if settled_late else ""
+    try:
+        check_indices(indices, n_kv)
+    except SparseMLAInputError as exc:
+        raise SparseMLAInputError(f"{exc}{late}") from None
+    raise SparseMLAInputError(f"sparse_mla: indices hold an entry outside {{-1}} U [0, T_kv){late}")
+
+
+def _settle_forward_event(values: list[int], call: tuple) -> None:
+    """A forward whose flags were read late: the index error, or count / warn / dump a
+    device-repaired forward (and raise if even the repair was nonfinite)."""
+    backend, q, kv, indices, sm_scale, d_v = call
+    if values[0]:
+        _raise_index_error(indices, kv.shape[1], settled_late=True)
+    if not values[1]:
+        return
+    _stats.rows_repaired += values[3]
+
+    def recompute_bad():
+        out, lse, _ = _forward(backend, q, kv, indices, sm_scale, d_v, None)
+        return dict(out=out, lse=lse)
+
+    path = _event("forward", backend, dict(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v), recompute_bad,
+                  values[3], extra={"bad_outputs_recomputed": True})
+    if values[2]:
+        raise FloatingPointError(
+            f"sparse_mla forward is nonfinite even in the reference repair: inputs are bad (dump: {path}); "
+            "raised when the device-side repair's flags were settled, after the call itself returned")
 
 
 def _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, flags):
@@ -318,7 +382,8 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
         kv_v, idx_v = (backend.padded_views(saved, topk) if hasattr(backend, "padded_views")
                        else originals(backend, saved, topk))
         repair_backward_rows(q, kv_v, idx_v, grad_out, sm_scale, d_v, dq, dkv, flags)
-        _pending.push(flags, (backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v))
+        call = (backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v)
+        _pending.push(flags, lambda values: _settle_backward_event(values, call))
         return dq, dkv
     if not _read(flags)[1]:  # the one host read
         return dq, dkv
@@ -350,15 +415,16 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
 
 
 class _PendingRepairs:
-    """Flags of device-repaired backward calls on their way to pinned host memory, oldest first.
-    ``settle`` handles those whose copy is done (``Event.query``); it never waits unless asked,
-    or unless more than ``MAX_PENDING`` are queued: then it waits for the oldest, and the later
-    calls' kernels stay queued on the GPU meanwhile (so the wait does not drain it)."""
+    """Flags of calls read late (device-repaired backwards; forwards whose backward will settle
+    them) on their way to pinned host memory, oldest first, each with the function that settles
+    it. ``settle`` handles those whose copy is done (``Event.query``); it never waits unless
+    asked, or unless more than ``MAX_PENDING`` are queued: then it waits for the oldest, and the
+    later calls' kernels stay queued on the GPU meanwhile (so the wait does not drain it)."""
 
-    MAX_PENDING = 2
+    MAX_PENDING = 4
 
     def __init__(self):
-        self._queue: list[tuple] = []
+        self._queue: list[tuple] = []  # (device, pinned flags, event, settle(values))
         self._spare: dict[torch.device, list[tuple]] = {}  # per device: (pinned int32 [FLAG_SLOTS], event)
 
     # where the flags go and how their arrival is tracked (a CPU test replaces these three)
@@ -369,36 +435,54 @@ class _PendingRepairs:
     _new_event = staticmethod(torch.cuda.Event)
     _stream = staticmethod(torch.cuda.current_stream)
 
-    def push(self, flags: torch.Tensor, call: tuple) -> None:
+    def push(self, flags: torch.Tensor, settle) -> tuple:
+        """Queue ``flags`` (copied behind the work on their stream); ``settle(values)`` runs once
+        they have arrived. -> the queue entry (for ``settle_through``)."""
         spare = self._spare.setdefault(flags.device, [])
         host, event = spare.pop() if spare else (self._host_buffer(), self._new_event())
         host.copy_(flags, non_blocking=True)
         event.record(self._stream(flags.device))
-        self._queue.append((flags.device, host, event, call))
+        entry = (flags.device, host, event, settle)
+        self._queue.append(entry)
         if len(self._queue) > self.MAX_PENDING:
             self._queue[0][2].synchronize()
         self.settle()
+        return entry
 
     def settle(self, wait_all: bool = False) -> None:
         while self._queue:
-            device, host, event, call = self._queue[0]
-            if wait_all:
-                event.synchronize()
-            elif not event.query():
+            if not (wait_all or self._queue[0][2].query()):
                 return
-            self._queue.pop(0)
-            values = host.tolist()
-            self._spare[device].append((host, event))
-            if values[1]:
-                _settle_backward_event(values, call)
+            self._settle_oldest()
+
+    def settle_through(self, entry: tuple) -> None:
+        """Wait for and settle every queued call up to and including ``entry`` (nothing if it
+        was settled already)."""
+        while any(e is entry for e in self._queue):
+            self._settle_oldest()
+
+    def _settle_oldest(self) -> None:
+        device, host, event, settle = self._queue.pop(0)
+        if not event.query():
+            event.synchronize()
+        values = host.tolist()
+        self._spare[device].append((host, event))
+        settle(values)
 
 
 _pending = _PendingRepairs()
 
 
+def settle_through(entry: tuple) -> None:
+    """Settle a forward's flags queued by ``run_forward`` (and everything queued before them)."""
+    _pending.settle_through(entry)
+
+
 def _settle_backward_event(values: list[int], call: tuple) -> None:
     """Count, warn, dump (and raise if even the repair was nonfinite) for a device-repaired backward."""
     backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v = call
+    if not values[1]:
+        return
     _stats.rows_repaired += values[3]
     _stats.kv_rows_repaired += values[4]
     kv, indices = originals(backend, saved, topk)

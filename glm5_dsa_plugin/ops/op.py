@@ -11,8 +11,9 @@ from .contract import canonicalize, check_indices
 
 class _SparseMLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v, backend, defer_index_check):
-        out, lse, saved = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check)
+    def forward(ctx, q, kv, indices, sm_scale, d_v, backend, defer_index_check, backward_follows):
+        out, lse, saved, ctx.pending_flags = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v,
+                                                                defer_index_check, backward_follows)
         # saved replaces (kv, indices): a backend's prepared inputs are built once per call
         ctx.save_for_backward(q, out, lse, *saved)
         ctx.sm_scale, ctx.d_v, ctx.backend, ctx.topk = sm_scale, d_v, backend, indices.shape[-1]
@@ -23,12 +24,16 @@ class _SparseMLAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, out, lse, *saved = ctx.saved_tensors
-        if grad_out is None:
-            return None, None, None, None, None, None, None
-        dq, dkv = _guard.run_backward(
-            ctx.backend, q, tuple(saved), ctx.topk, out, lse, grad_out.contiguous(), ctx.sm_scale, ctx.d_v
-        )
-        return dq, dkv, None, None, None, None, None
+        dq = dkv = None
+        if grad_out is not None:
+            dq, dkv = _guard.run_backward(
+                ctx.backend, q, tuple(saved), ctx.topk, out, lse, grad_out.contiguous(), ctx.sm_scale, ctx.d_v
+            )
+        if ctx.pending_flags is not None:
+            # the forward's index / finiteness flags, read only now that the backward's kernels are
+            # queued (its forward finished long ago): raises here, before any gradient is returned
+            _guard.settle_through(ctx.pending_flags)
+        return dq, dkv, None, None, None, None, None, None
 
 
 def sparse_mla(
@@ -56,11 +61,16 @@ def sparse_mla(
         d_v: value width (leading channels of kv).
         backend: ``"reference"``, ``"tilelang"`` or ``"auto"`` (TileLang on CUDA sm_90 when it
             imports, else the reference with one warning).
-        validate: check every index (one device reduction, one flag read). Backends memory-safe for
-            any index value (TileLang: invalid slots read the zero sentinel row, issue no atomics)
-            read the flag after the kernel, with the nonfinite guard's, and raise before returning;
-            others check before any kernel runs. Only trusted callers that already guarantee the
-            index rule should pass False.
+        validate: check every index. Backends memory-safe for any index value (TileLang: invalid
+            slots count as padding, read the zero sentinel row, issue no atomics) check during the
+            call and read the flag with the nonfinite guard's: when autograd records the call (a
+            backward will come), on CUDA, that read happens in the call's backward, after its
+            kernels are queued, so the forward never stalls the GPU: a bad index raises there
+            (before any gradient is returned), or at a later call / ``guard_stats()`` if no
+            backward runs. Otherwise (no grad, guard policy ``raise``, CPU) the call raises before
+            returning. Other backends check before any kernel runs. Either way the error names the
+            first bad entry. Only trusted callers that already guarantee the index rule should
+            pass False.
         deterministic: dq/dkv bitwise identical from run to run (TileLang: dKV reduced per kv row
             in a fixed order instead of fp32 atomics; slower, see benchmarks/NOTES.md; the
             reference is deterministic on CPU, and on CUDA under torch.use_deterministic_algorithms).
@@ -86,7 +96,8 @@ def sparse_mla(
     defer = validate and bool(getattr(impl, "memory_safe_on_any_index", False))
     if validate and not defer:
         check_indices(idx4, prob.seq_len_kv)
-    out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl, defer)
+    backward_follows = torch.is_grad_enabled() and (q4.requires_grad or kv4.requires_grad)
+    out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl, defer, backward_follows)
     if not prob.batched_input:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return out, lse
