@@ -437,7 +437,9 @@ class _PendingRepairs:
 
     def push(self, flags: torch.Tensor, settle) -> tuple:
         """Queue ``flags`` (copied behind the work on their stream); ``settle(values)`` runs once
-        they have arrived. -> the queue entry (for ``settle_through``)."""
+        they have arrived, never within this push (a forward's flags are settled by its backward
+        or later, whatever the GPU's progress). -> the queue entry (for ``settle_through``)."""
+        self.settle()  # the earlier calls' flags that have arrived
         spare = self._spare.setdefault(flags.device, [])
         host, event = spare.pop() if spare else (self._host_buffer(), self._new_event())
         host.copy_(flags, non_blocking=True)
@@ -445,8 +447,7 @@ class _PendingRepairs:
         entry = (flags.device, host, event, settle)
         self._queue.append(entry)
         if len(self._queue) > self.MAX_PENDING:
-            self._queue[0][2].synchronize()
-        self.settle()
+            self.settle_through(self._queue[0])
         return entry
 
     def settle(self, wait_all: bool = False) -> None:
