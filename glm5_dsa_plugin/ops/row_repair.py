@@ -250,6 +250,18 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
                 tl.atomic_max(FLAGS + 2, 1)
 
 
+def _check_repair_args(fn: str, repaired: dict, kv: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor) -> None:
+    """The launch preconditions shared by both repairs: the repaired tensors contiguous (written in
+    place), kv / indices with unit last stride, flags int32 with the slots the kernels use."""
+    for name, x in repaired.items():
+        if not x.is_contiguous():
+            raise ValueError(f"{fn}: {name} must be contiguous (repaired in place)")
+    if kv.stride(-1) != 1 or indices.stride(-1) != 1:
+        raise ValueError(f"{fn}: kv and indices need unit stride in their last dim")
+    if flags.dtype != torch.int32 or flags.numel() < 5:
+        raise ValueError(f"{fn}: flags must be int32 with >= 5 slots")
+
+
 def repair_backward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                          sm_scale: float, d_v: int, dq: torch.Tensor, dkv: torch.Tensor,
                          flags: torch.Tensor, precision: str = DOT_PRECISION, slots_per_step: int = SLOTS_PER_STEP,
@@ -264,12 +276,7 @@ def repair_backward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     ``bf16=False`` forces fp32 dots for bf16 inputs (scripts/bench_row_repair.py times them)."""
     B, T, H, D = q.shape
     T_kv, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
-    if not (dq.is_contiguous() and dkv.is_contiguous()):
-        raise ValueError("repair_backward_rows: dq and dkv must be contiguous (repaired in place)")
-    if kv.stride(-1) != 1 or indices.stride(-1) != 1:
-        raise ValueError("repair_backward_rows: kv and indices need unit stride in their last dim")
-    if flags.dtype != torch.int32 or flags.numel() < 5:
-        raise ValueError("repair_backward_rows: flags must be int32 with >= 5 slots")
+    _check_repair_args("repair_backward_rows", {"dq": dq, "dkv": dkv}, kv, indices, flags)
     q, grad_out = q.contiguous(), grad_out.contiguous()
     HG = H // G
     row_elems = G * D
@@ -363,12 +370,7 @@ def repair_forward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     device. Two launches, no host sync; with ``flags[1] == 0`` they only read it."""
     B, T, H, D = q.shape
     T_kv, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
-    if not (out.is_contiguous() and lse.is_contiguous()):
-        raise ValueError("repair_forward_rows: out and lse must be contiguous (repaired in place)")
-    if kv.stride(-1) != 1 or indices.stride(-1) != 1:
-        raise ValueError("repair_forward_rows: kv and indices need unit stride in their last dim")
-    if flags.dtype != torch.int32 or flags.numel() < 5:
-        raise ValueError("repair_forward_rows: flags must be int32 with >= 5 slots")
+    _check_repair_args("repair_forward_rows", {"out": out, "lse": lse}, kv, indices, flags)
     if B * T == 0:
         return
     q = q.contiguous()
