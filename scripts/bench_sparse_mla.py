@@ -392,6 +392,21 @@ def main():
                     extra[f"W2_H64_largest_gaps_us_guard={pol}"] = gaps
                     extra[f"W2_H64_gpu_us_per_call_by_kernel_guard={pol}"] = by_kernel
         configure(policy="fallback")
+
+        # forward without grad: its flags read before it returns (default) or deferred to a later
+        # call (configure(forward_flags="deferred")); off and on alternate, 5 rounds, medians
+        def fwd_only():
+            with torch.no_grad():
+                sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang")
+
+        times = {"eager": [], "deferred": []}
+        for _ in range(5):
+            for mode in times:
+                configure(forward_flags=mode)
+                times[mode].append(bench(fwd_only, 5, 40))
+        configure(forward_flags="eager")
+        for mode, ts in times.items():
+            extra[f"W2_H64_fwd_ms_forward_flags={mode}"] = statistics.median(ts)
         # W2 H16 (row groups; goal 4.5 ms fwd+bwd): the default call's GPU time by kernel and its idle
         q16 = torch.randn(4096, 16, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad16 = torch.randn(4096, 16, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -296,6 +296,28 @@ def test_bad_index_of_a_recorded_forward_raises_in_its_backward():
     assert q.grad is None and kv.grad is None
 
 
+def test_deferred_forward_flags_without_grad():
+    """configure(forward_flags="deferred"): a forward without grad returns the same output as the
+    eager one without reading its flags; a bad index then raises from guard_stats(), naming it."""
+    from glm5_dsa_plugin.ops import configure, guard_stats
+
+    q = torch.randn(64, 16, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(80, 1, 576, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(-1, 80, (64, 1, 64), device="cuda", dtype=torch.int32)
+    want, _ = sparse_mla(q, kv, idx, SCALE, backend="tilelang")
+    configure(forward_flags="deferred")
+    try:
+        got, _ = sparse_mla(q, kv, idx, SCALE, backend="tilelang")
+        guard_stats()
+        assert torch.equal(got, want)
+        idx[3, 0, 9] = 95
+        sparse_mla(q, kv, idx, SCALE, backend="tilelang")  # returns
+        with pytest.raises(ValueError, match=r"row=3, group=0, slot=9\] = 95: index 95 >= capacity T_kv=80"):
+            guard_stats()
+    finally:
+        configure(forward_flags="eager")
+
+
 @pytest.mark.parametrize("H", [16, 64])
 def test_device_side_forward_repair(tmp_path, H):
     """Fallback on CUDA under autograd: out rows / lse rows a TileLang forward returns nonfinite

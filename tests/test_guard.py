@@ -405,3 +405,41 @@ def test_index_error_of_a_recorded_forward_is_raised_in_its_backward(monkeypatch
     finally:
         unregister_backend("index_safe_ref")
         configure(policy="fallback")
+
+
+def test_deferred_forward_flags_without_grad_settle_later_and_at_exit(monkeypatch, capsys):
+    """``forward_flags="deferred"``: a call without grad does not read its index flag either; a
+    later call raises it once the flags have arrived, and what is still queued at exit is settled
+    by the exit hook, which prints the error instead of raising. The default stays eager, and the
+    setting is validated (``configure`` and the environment variable)."""
+    pending = _CpuPending()
+    monkeypatch.setattr(guard, "_pending", pending)
+    monkeypatch.setattr(guard, "_reads_late", lambda device: True)
+    register_backend("index_safe_ref", IndexSafeReference, replace=True)
+    configure(policy="off")
+    try:
+        q, kv, idx, g = _inputs()
+        bad = idx.clone()
+        bad[1, 2, 0, 1] = 11
+        with torch.no_grad(), pytest.raises(ValueError, match=r"row=2, group=0, slot=1\] = 11"):
+            sparse_mla(q, kv, bad, 0.3, d_v=8, backend="index_safe_ref")  # eager by default
+        configure(forward_flags="deferred")
+        with torch.no_grad():
+            sparse_mla(q, kv, bad, 0.3, d_v=8, backend="index_safe_ref")  # returns; the flag is queued
+            assert len(pending._queue) == 1
+            pending._queue[0][2].done = True
+            with pytest.raises(ValueError, match=r"row=2, group=0, slot=1\] = 11.*after the call returned"):
+                sparse_mla(q, kv, idx, 0.3, d_v=8, backend="index_safe_ref")
+            pending.settle(wait_all=True)  # the good call's flags
+            sparse_mla(q, kv, bad, 0.3, d_v=8, backend="index_safe_ref")
+        guard._settle_at_exit()
+        err = capsys.readouterr().err
+        assert "at exit" in err and "row=2, group=0, slot=1] = 11" in err and not pending._queue
+        with pytest.raises(ValueError, match="forward_flags"):
+            configure(forward_flags="later")
+        r = subprocess.run([sys.executable, "-c", "import glm5_dsa_plugin.ops"], capture_output=True, text=True,
+                           env={**__import__("os").environ, "GLM5_DSA_FORWARD_FLAGS": "sometimes"})
+        assert r.returncode != 0 and "GLM5_DSA_FORWARD_FLAGS='sometimes'" in r.stderr
+    finally:
+        unregister_backend("index_safe_ref")
+        configure(policy="fallback", forward_flags="eager")

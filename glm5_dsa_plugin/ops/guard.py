@@ -17,7 +17,9 @@ a backward's flags, and those of a forward whose backward never runs, at the nex
 once they have arrived, or by :func:`stats`. Settling counts, warns, dumps, and raises when even
 the repair was nonfinite. At most ``MAX_PENDING`` calls wait unsettled (their tensors stay
 referenced until then); one more waits for the oldest. ``raise``, CPU tensors, graph capture
-and forwards without a backward to come (no grad) read the flags before returning.
+and forwards without a backward to come (no grad) read the flags before returning; the last
+can read late too (``configure(forward_flags="deferred")`` / ``GLM5_DSA_FORWARD_FLAGS``). What is
+still pending at interpreter exit is settled then, and an error it raises is printed.
 
 Repair method (``fallback``):
   * forward: the query rows (b, t) whose out or lse holds a nonfinite value are recomputed
@@ -41,7 +43,9 @@ outputs and an environment record; replay it with ``scripts/replay_sparse_mla.py
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -52,6 +56,7 @@ from . import reference
 from .contract import SparseMLAInputError, check_indices
 
 POLICIES = ("fallback", "raise", "off")
+FORWARD_FLAGS = ("eager", "deferred")
 
 
 @dataclass
@@ -68,6 +73,7 @@ class _Config:
     policy: str = "fallback"
     dump_dir: str = "glm5_dsa_dumps"
     dump_every: int = 100
+    forward_flags: str = "eager"
     warned: bool = False
 
 
@@ -75,18 +81,30 @@ _cfg = _Config(
     policy=os.environ.get("GLM5_DSA_NONFINITE", "fallback").strip().lower() or "fallback",
     dump_dir=os.environ.get("GLM5_DSA_DUMP_DIR", "glm5_dsa_dumps"),
     dump_every=int(os.environ.get("GLM5_DSA_DUMP_EVERY", "100")),
+    forward_flags=os.environ.get("GLM5_DSA_FORWARD_FLAGS", "eager").strip().lower() or "eager",
 )
 if _cfg.policy not in POLICIES:
     raise ValueError(f"GLM5_DSA_NONFINITE={_cfg.policy!r}: expected one of {POLICIES}")
+if _cfg.forward_flags not in FORWARD_FLAGS:
+    raise ValueError(f"GLM5_DSA_FORWARD_FLAGS={_cfg.forward_flags!r}: expected one of {FORWARD_FLAGS}")
 _stats = GuardStats()
 
 
-def configure(policy: str | None = None, dump_dir: str | None = None, dump_every: int | None = None) -> None:
-    """Set the process-wide guard policy (``fallback``/``raise``/``off``), dump folder and dump period."""
+def configure(policy: str | None = None, dump_dir: str | None = None, dump_every: int | None = None,
+              forward_flags: str | None = None) -> None:
+    """Set the process-wide guard policy (``fallback``/``raise``/``off``), dump folder, dump period,
+    and when a forward that no backward follows (no grad) reads its flags: ``eager`` (default:
+    before it returns) or ``deferred`` (like a recorded forward's: repaired on the device, the
+    flags settled by a later guarded call, :func:`stats` or at exit; for forward-only passes such
+    as RL log-probs, where the read would stall the GPU once per layer)."""
     if policy is not None:
         if policy not in POLICIES:
             raise ValueError(f"nonfinite policy {policy!r}: expected one of {POLICIES}")
         _cfg.policy = policy
+    if forward_flags is not None:
+        if forward_flags not in FORWARD_FLAGS:
+            raise ValueError(f"forward_flags {forward_flags!r}: expected one of {FORWARD_FLAGS}")
+        _cfg.forward_flags = forward_flags
     if dump_dir is not None:
         _cfg.dump_dir = str(dump_dir)
     if dump_every is not None:
@@ -275,8 +293,10 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
     host read here. Bad out / lse rows are repaired on the device (``row_repair``) and the flags
     travel to pinned host memory behind the kernels; they are settled at the latest by this
     call's backward, else by a later guarded call or :func:`stats`, so an index violation raises
-    there instead of from this call. Otherwise (no backward to come, ``raise``, CPU, graph
-    capture) the flags are read before returning, as the backward does in those cases."""
+    there instead of from this call. The same without grad under ``forward_flags="deferred"``
+    (settled by a later call, :func:`stats` or at exit). Otherwise (no backward to come,
+    ``raise``, CPU, graph capture) the flags are read before returning, as the backward does in
+    those cases."""
     _pending.settle()  # earlier calls' flags that have arrived (may raise for such a call)
     check = _cfg.policy != "off" and backend.name != "reference"
     flags = _new_flags(q.device) if (check or defer_index_check) else None
@@ -285,7 +305,8 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
         return out, lse, saved, None
     if check:
         _flag_nonfinite(flags, 1, out, lse)
-    if backward_follows and _cfg.policy != "raise" and _reads_late(q.device):
+    read_late = backward_follows or _cfg.forward_flags == "deferred"
+    if read_late and _cfg.policy != "raise" and _reads_late(q.device):
         if check:
             from .row_repair import repair_forward_rows
 
@@ -472,6 +493,20 @@ class _PendingRepairs:
 
 
 _pending = _PendingRepairs()
+
+
+def _settle_at_exit() -> None:
+    """atexit: settle what is still queued; an error a call's flags raise is printed (an exit
+    hook cannot raise into the program), one line per call."""
+    while _pending._queue:
+        try:
+            _pending.settle(wait_all=True)
+        except Exception as exc:  # noqa: BLE001 - report every pending error, then go on
+            print(f"glm5_dsa_plugin: at exit, a sparse_mla call's deferred flags raised {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+
+
+atexit.register(_settle_at_exit)
 
 
 def settle_through(entry: tuple) -> None:
