@@ -297,7 +297,6 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
     (settled by a later call, :func:`stats` or at exit). Otherwise (no backward to come,
     ``raise``, CPU, graph capture) the flags are read before returning, as the backward does in
     those cases."""
-    _pending.settle()  # earlier calls' flags that have arrived (may raise for such a call)
     check = _cfg.policy != "off" and backend.name != "reference"
     flags = _new_flags(q.device) if (check or defer_index_check) else None
     out, lse, saved = _forward(backend, q, kv, indices, sm_scale, d_v, flags[0:1] if defer_index_check else None)
@@ -316,7 +315,7 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
         call = (backend, q, kv, indices, sm_scale, d_v)
         return out, lse, saved, _pending.push(flags, lambda values: _settle_forward_event(values, call))
     bad_index, nonfinite = _read(flags)[:2]  # the one host read
-    _pending.settle()  # earlier backwards' flags have arrived by now
+    _pending.settle()  # earlier calls' flags have arrived by now (may raise for such a call)
     if bad_index:
         _raise_index_error(indices, kv.shape[1])
     if not check:
@@ -367,11 +366,18 @@ def _settle_forward_event(values: list[int], call: tuple) -> None:
         out, lse, _ = _forward(backend, q, kv, indices, sm_scale, d_v, None)
         return dict(out=out, lse=lse)
 
-    path = _event("forward", backend, dict(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v), recompute_bad,
-                  values[3], extra={"bad_outputs_recomputed": True})
-    if values[2]:
+    _device_repair_event("forward", backend, dict(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v),
+                         recompute_bad, values[3], bool(values[2]))
+
+
+def _device_repair_event(kind: str, backend, inputs: dict, recompute_bad, n_rows: int, still_bad: bool) -> None:
+    """Count / warn / dump a device-repaired call once its flags are settled (its bad outputs were
+    repaired in place, so ``recompute_bad`` rebuilds them for the dump); raise if the repair itself
+    stayed nonfinite (``still_bad``: the inputs are bad)."""
+    path = _event(kind, backend, inputs, recompute_bad, n_rows, extra={"bad_outputs_recomputed": True})
+    if still_bad:
         raise FloatingPointError(
-            f"sparse_mla forward is nonfinite even in the reference repair: inputs are bad (dump: {path}); "
+            f"sparse_mla {kind} is nonfinite even in the reference repair: inputs are bad (dump: {path}); "
             "raised when the device-side repair's flags were settled, after the call itself returned")
 
 
@@ -396,7 +402,7 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
     flags = _new_flags(q.device)
     dq, dkv = _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, flags)
     _stats.calls_checked += 1
-    if _cfg.policy == "fallback" and q.is_cuda and not _capturing(q.device):
+    if _cfg.policy == "fallback" and _reads_late(q.device):
         from .row_repair import repair_backward_rows
 
         dq, dkv = dq.contiguous(), dkv.contiguous()
@@ -527,9 +533,6 @@ def _settle_backward_event(values: list[int], call: tuple) -> None:
         dq, dkv = _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, None)
         return dict(dq=dq, dkv=dkv)
 
-    path = _event("backward", backend, dict(q=q, kv=kv, indices=indices, grad_out=grad_out, sm_scale=sm_scale, d_v=d_v),
-                  recompute_bad, values[3] + values[4], extra={"bad_outputs_recomputed": True})
-    if values[2]:
-        raise FloatingPointError(
-            f"sparse_mla backward is nonfinite even in the reference repair: inputs are bad (dump: {path}); "
-            "raised when the device-side repair's flags were settled, after the call itself returned")
+    _device_repair_event("backward", backend,
+                         dict(q=q, kv=kv, indices=indices, grad_out=grad_out, sm_scale=sm_scale, d_v=d_v),
+                         recompute_bad, values[3] + values[4], bool(values[2]))
