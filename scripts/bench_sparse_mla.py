@@ -404,9 +404,15 @@ def main():
             for mode in times:
                 configure(forward_flags=mode)
                 times[mode].append(bench(fwd_only, 5, 40))
-        configure(forward_flags="eager")
         for mode, ts in times.items():
             extra[f"W2_H64_fwd_ms_forward_flags={mode}"] = statistics.median(ts)
+        for mode in times:  # the forward's GPU time by kernel and its idle, per mode
+            configure(forward_flags=mode)
+            idle, gaps, by_kernel = gpu_idle(fwd_only)
+            extra[f"W2_H64_fwd_gpu_idle_us_per_call_forward_flags={mode}"] = idle
+            extra[f"W2_H64_fwd_largest_gaps_us_forward_flags={mode}"] = gaps
+            extra[f"W2_H64_fwd_gpu_us_per_call_by_kernel_forward_flags={mode}"] = by_kernel
+        configure(forward_flags="eager")
         # W2 H16 (row groups; goal 4.5 ms fwd+bwd): the default call's GPU time by kernel and its idle
         q16 = torch.randn(4096, 16, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad16 = torch.randn(4096, 16, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -464,6 +470,10 @@ def main():
                 fn()
             torch.cuda.synchronize()
             extra[f"host_us_per_call_{label}"] = (time.perf_counter() - t0) / 200 * 1e6
+            # GPU time by kernel of the same tiny call: host-bound if it is far below the time per call
+            idle, _, by_kernel = gpu_idle(fn, calls=20)
+            extra[f"tiny_{label}_gpu_idle_us_per_call"] = idle
+            extra[f"tiny_{label}_gpu_us_per_call_by_kernel"] = by_kernel
         if args.host_profile:
             write_host_profile(tq, tkv, tidx, tg, os.path.join(args.out, "host_profile.txt"))
 
