@@ -56,9 +56,11 @@ def _mark_keys(idx, table, repeats, n_repeats, g0, T, NG, G, n_kv, n_words,
 
 @triton.jit
 def _read_table(table, repeats, n_repeats, keys, members, extent, g0, n_kv, n_words,
-                RK: tl.constexpr, R: tl.constexpr, KPW: tl.constexpr, WORDS: tl.constexpr, BLOCK: tl.constexpr):
+                RK: tl.constexpr, RKP: tl.constexpr, R: tl.constexpr, KPW: tl.constexpr, WORDS: tl.constexpr,
+                BLOCK: tl.constexpr):
     """One program per group of this batch: the table's set bits in key order -> entries (key,
-    member bits), then the repeats (one entry each), then n_kv / 0 to R * K; clears the table."""
+    member bits), then the repeats (one entry each, sorted by (key, row); RKP = RK rounded up to a
+    power of two), then n_kv / 0 to R * K; clears the table."""
     pid = tl.program_id(0)
     gid = (g0 + pid).to(tl.int64)
     tbase = pid.to(tl.int64) * n_words
@@ -78,13 +80,15 @@ def _read_table(table, repeats, n_repeats, keys, members, extent, g0, n_kv, n_wo
         n_entries += tl.sum(new.to(tl.int32), 0)
         start += WORDS
     n_rep = tl.load(n_repeats + pid)
-    ar = tl.arange(0, BLOCK)
-    for start in range(0, RK, BLOCK):
-        offs = start + ar
+    if n_rep > 0:
+        # the atomics appended the repeats in any order; sorted by key * R + row (equal values are
+        # the same entry) the list is one fixed order, so the kernels' sums are reproducible
+        offs = tl.arange(0, RKP)
         rep = offs < n_rep
-        v = tl.load(repeats + pid.to(tl.int64) * RK + offs, mask=rep, other=0)
+        v = tl.sort(tl.load(repeats + pid.to(tl.int64) * RK + offs, mask=rep, other=2147483647))
         tl.store(keys + gid * RK + n_entries + offs, v // R, mask=rep)
-        tl.store(members + gid * RK + n_entries + offs, (tl.full([BLOCK], 1, tl.int32) << (v % R)).to(tl.uint8), mask=rep)
+        tl.store(members + gid * RK + n_entries + offs, (tl.full([RKP], 1, tl.int32) << (v % R)).to(tl.uint8), mask=rep)
+    ar = tl.arange(0, BLOCK)
     total = n_entries + n_rep
     for start in range(0, RK, BLOCK):
         offs = start + ar
@@ -99,7 +103,7 @@ def group_keys(idx: torch.Tensor, n_kv: int, rows_per_group: int, table_words: i
     ``prepare_indices`` leaves them) -> (keys, members, extent):
 
     * keys [B, NG, G, R*K] int32, NG = ceil(T / R): the group's distinct keys in ascending order,
-      then one entry per further copy of a key in one row (in no particular order), then n_kv;
+      then one entry per further copy of a key in one row (sorted by (key, row)), then n_kv;
     * members [B, NG, G, R*K] uint8: bit r set when row r of the group holds that entry (0 past
       the entries);
     * extent [B, NG, G] int32: the number of entries.
@@ -131,7 +135,7 @@ def group_keys(idx: torch.Tensor, n_kv: int, rows_per_group: int, table_words: i
         _mark_keys[(size, triton.cdiv(R * K, 1024))](idx, table, repeats, n_repeats, g0, T, NG, G, n_kv, n_words,
                                                       K=K, R=R, KPW=kpw, BLOCK=1024, num_warps=4)
         _read_table[(size,)](table, repeats, n_repeats, keys, members, extent, g0, n_kv, n_words,
-                             RK=R * K, R=R, KPW=kpw, WORDS=2048 // kpw, BLOCK=1024, num_warps=8)
+                             RK=R * K, RKP=triton.next_power_of_2(R * K), R=R, KPW=kpw, WORDS=2048 // kpw, BLOCK=1024, num_warps=8)
     return keys, members, extent
 
 
