@@ -693,16 +693,22 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 
 @functools.lru_cache(maxsize=None)
 def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda",
-                             mma_regs=232, producer_regs=40):
+                             mma_regs=232, producer_regs=40, dkv_chunks=True):
     """Warp-specialised backward for 64-row tiles; the same tensors and results as
     ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV). 384 threads in three warpgroups.
 
     Warpgroups 0-1 run the MMAs of one 32-slot block at a time (scores, P, dP, dS, dQ += dS K),
-    then dKV = dS^T Q + P^T dO for the block's first 16 slots, leave those rows (16 x Dqk fp32)
-    in a shared stage, and do the same for the other 16. Warpgroup 2 gathers the next block's kv
-    rows with cp.async as soon as the dQ MMAs are done with the buffer, then drains each staged
-    half with vector fp32 atomics while the MMA warps go on (the second half drains under the
-    next block's MMAs). Shared memory: Q and dO (139 KB) + kv (37 KB) + stage (37 KB) + P, dS."""
+    then dKV^T for the block 64 features at a time on wgmma (A = Q^T / dO^T read from shared
+    memory by the tensor cores, B = dS / P): warpgroup 0 the first half of the d_v features,
+    warpgroup 1 the rest and the rope tail. Each chunk's [32 slots, 64] fp32 rows go to one of the
+    warpgroup's two chunk buffers; warpgroup 2 drains them with vector fp32 atomics as they come,
+    and gathers the next block's kv rows with cp.async as soon as the dQ MMAs are done with the
+    buffer. Shared memory: Q and dO (139 KB) + kv (37 KB) + chunk buffers (35 KB) + P, dS.
+
+    ``dkv_chunks=False``: session 12's dKV instead, as M = 16 mma.sync GEMMs over 16-slot halves
+    (Q and dO read through the LSU pipe with ldmatrix: 5.2 K of the 7.7 K shared-memory
+    wavefronts per 32-slot step, Nsight Compute v15), staged in 16-slot halves. Exact too, and
+    1.7-2.6% slower at W2 / W1 H64, W2 H8 / H16 (exp22, v15); kept for such A/Bs."""
     R = rows_per_block
     assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
@@ -717,6 +723,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     # (vs 50) and ran 8% slower.
     one_tile = R == 1
     QW = D + DT if one_tile else D
+    NCV = D // 64  # dkv_chunks: 64-feature chunks of d_v; warpgroup 0 runs HALF of them, warpgroup 1
+    HALF = NCV // 2  # the other NCV - HALF and the rope tail (chunk index NCV)
+    N_OWN = (HALF, NCV - HALF + 1)
+    CP = 64 + 4  # chunk buffer row stride (floats): the fragment stores of 8 rows x 4 slot pairs hit 32 banks
     scale, scale2 = float(sm_scale), float(sm_scale) * LOG2E
     dtype, acc = T.bfloat16, T.float32
     B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
@@ -755,6 +765,67 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         T.barrier_arrive(w.stage_free)
 
     @T.macro
+    def wait_chunk_buffer(bars, n, flip):
+        # buffer n % 2 of a warpgroup's two, phase (n // 2) & 1 (flip: the "free" side's first use passes)
+        if n % 2 == 0:
+            T.barrier_wait(bars[0], ((n // 2) & 1) ^ flip)
+        else:
+            T.barrier_wait(bars[1], ((n // 2) & 1) ^ flip)
+
+    @T.macro
+    def arrive_chunk_buffer(bars, n):
+        if n % 2 == 0:
+            T.barrier_arrive(bars[0])
+        else:
+            T.barrier_arrive(bars[1])
+
+    @T.macro
+    def stage_chunk(w, c, n):
+        # [64 features, BS slots] fp32 fragment -> chunk buffer n % 2 of warpgroup c as [slots, features]
+        wait_chunk_buffer(w.ch_free[c], n, 1)
+        for i, j in T.Parallel(64, BS):
+            w.ch_s[c][n % 2, j, i] = w.acc_t[c][i, j]
+        arrive_chunk_buffer(w.ch_full[c], n)
+
+    @T.macro
+    def value_chunk(w, c, f, n):
+        # dKV^T[f * 64:(f + 1) * 64] = Q^T dS + dO^T P over this block's slots
+        T.gemm(w.q_s[0:h_blk, f * 64:(f + 1) * 64], w.dp_s, w.acc_t[c], transpose_A=True,
+               policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+        T.gemm(w.do_s[0:h_blk, f * 64:(f + 1) * 64], w.p_s, w.acc_t[c], transpose_A=True,
+               policy=T.GemmWarpPolicy.FullRow)
+        stage_chunk(w, c, n)
+
+    @T.macro
+    def dkv_by_chunks(w, blk):
+        if w.tx < 128:
+            for k in T.unroll(N_OWN[0]):
+                value_chunk(w, 0, k, blk * N_OWN[0] + k)
+        else:
+            for k in T.unroll(N_OWN[1] - 1):
+                value_chunk(w, 1, HALF + k, blk * N_OWN[1] + k)
+            T.gemm(w.q_parts[1], w.dp_s, w.acc_t[1], transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
+                   clear_accum=True)
+            stage_chunk(w, 1, blk * N_OWN[1] + N_OWN[1] - 1)
+        # P and dS are rewritten by the next block: both warpgroups are done reading them
+        T.barrier_arrive(w.step_done)
+        T.barrier_wait(w.step_done, blk & 1)
+
+    @T.macro
+    def drain_chunk(w, blk, c, k):
+        # warpgroup c's chunk k of this block: columns (c * HALF + k) * 64 + [0, 64), 16 bytes per atomic
+        tp = w.tx - 256
+        n = blk * N_OWN[c] + k
+        wait_chunk_buffer(w.ch_full[c], n, 0)
+        for r in T.unroll(BS * 16 // 128):
+            j = (r * 128 + tp) // 16
+            d = (r * 128 + tp) % 16 * 4
+            key = w.Indices[w.b, w.s, w.g, blk * BS + j]
+            if valid_slot(key, n_kv):
+                T.atomic_addx4(w.dKV[w.b, key, w.g, (c * HALF + k) * 64 + d], w.ch_s[c][n % 2, j, d])
+        arrive_chunk_buffer(w.ch_free[c], n)
+
+    @T.macro
     def step(w, blk):
         T.barrier_wait(w.full, blk & 1)
         for j in T.Parallel(BS):
@@ -769,21 +840,24 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             T.gemm(w.qt_s, w.kt_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
         _block_ds_dq(w, *w.kv_parts, scale, scale2, S, load_lse, h_blk, BS)
         T.barrier_arrive(w.kv_free)  # warpgroup 2 may gather the next block now
-        for half in T.unroll(2):
-            sl = slice(half * SR, (half + 1) * SR)
-            T.gemm(w.dp_s[0:h_blk, sl], w.q_parts[0], w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
-                   clear_accum=True)
-            T.gemm(w.p_s[0:h_blk, sl], w.do_s, w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-            T.gemm(w.dp_s[0:h_blk, sl], w.q_parts[1], w.acc_dkvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
-                   clear_accum=True)
-            # the stage's previous half (this block's first, or the last block's second) is drained
-            if half == 1:
-                T.barrier_wait(w.stage_free, 0)
-            elif blk > 0:
-                T.barrier_wait(w.stage_free, 1)
-            T.copy(w.acc_dkv, w.dkv_s[0:SR, 0:D])
-            T.copy(w.acc_dkvt, w.dkvt_s[0:SR, 0:DT])
-            T.barrier_arrive(w.stage_full)
+        if dkv_chunks:
+            dkv_by_chunks(w, blk)
+        else:
+            for half in T.unroll(2):
+                sl = slice(half * SR, (half + 1) * SR)
+                T.gemm(w.dp_s[0:h_blk, sl], w.q_parts[0], w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+                       clear_accum=True)
+                T.gemm(w.p_s[0:h_blk, sl], w.do_s, w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(w.dp_s[0:h_blk, sl], w.q_parts[1], w.acc_dkvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+                       clear_accum=True)
+                # the stage's previous half (this block's first, or the last block's second) is drained
+                if half == 1:
+                    T.barrier_wait(w.stage_free, 0)
+                elif blk > 0:
+                    T.barrier_wait(w.stage_free, 1)
+                T.copy(w.acc_dkv, w.dkv_s[0:SR, 0:D])
+                T.copy(w.acc_dkvt, w.dkvt_s[0:SR, 0:DT])
+                T.barrier_arrive(w.stage_full)
 
     @T.prim_func
     def bwd(
@@ -807,16 +881,20 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             p_s = T.alloc_shared([h_blk, BS], dtype)
             dp_s = T.alloc_shared([h_blk, BS], dtype)
             # rows padded by 8 floats: the MMA warps' fragment stores of 8 rows then fall in distinct banks
-            dkv_s = T.alloc_shared([SR, D + 8], acc)
-            dkvt_s = T.alloc_shared([SR, DT + 8], acc)
+            dkv_s = T.alloc_shared([SR, D + 8], acc) if not dkv_chunks else None
+            dkvt_s = T.alloc_shared([SR, DT + 8], acc) if not dkv_chunks else None
+            ch_s0 = T.alloc_shared([2, BS, CP], acc) if dkv_chunks else None  # warpgroup 0's two chunk buffers
+            ch_s1 = T.alloc_shared([2, BS, CP], acc) if dkv_chunks else None
             delta_s = T.alloc_shared([h_blk], acc)
             valid = T.alloc_fragment([BS], "bool" if R == 1 else T.int32)  # R > 1: member bits
             acc_p = T.alloc_fragment([h_blk, BS], acc)
             acc_dp = T.alloc_fragment([h_blk, BS], acc)
             acc_dq = T.alloc_fragment([h_blk, D], acc)
             acc_dqt = T.alloc_fragment([h_blk, DT], acc)
-            acc_dkv = T.alloc_fragment([SR, D], acc)
-            acc_dkvt = T.alloc_fragment([SR, DT], acc)
+            acc_dkv = T.alloc_fragment([SR, D], acc) if not dkv_chunks else None
+            acc_dkvt = T.alloc_fragment([SR, DT], acc) if not dkv_chunks else None
+            acc_t0 = T.alloc_fragment([64, BS], acc) if dkv_chunks else None  # a dKV^T chunk, per warpgroup
+            acc_t1 = T.alloc_fragment([64, BS], acc) if dkv_chunks else None
             od = T.alloc_fragment([h_blk, DELTA_COLS], acc)
             od_sum = T.alloc_fragment([h_blk], acc)
             delta = T.alloc_fragment([h_blk], acc)
@@ -824,6 +902,16 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             kv_free = T.alloc_barrier(arrive_count=256)  # the MMA warpgroups are done with kv_s / kt_s
             stage_full = T.alloc_barrier(arrive_count=256)  # dkv_s / dkvt_s hold a half block's dKV rows
             stage_free = T.alloc_barrier(arrive_count=128)  # warpgroup 2 has read them
+            # dkv_chunks: per MMA warpgroup and chunk buffer, staged / drained; both warpgroups done with P, dS
+            ch_full00 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
+            ch_full01 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
+            ch_full10 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
+            ch_full11 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
+            ch_free00 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
+            ch_free01 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
+            ch_free10 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
+            ch_free11 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
+            step_done = T.alloc_barrier(arrive_count=256) if dkv_chunks else None
 
             s = bx if R == 1 else NG - 1 - bx  # R > 1: last group first (as the forward)
             g = bz // nh
@@ -846,7 +934,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                                 acc_dkv=acc_dkv, acc_dkvt=acc_dkvt, q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s,
                                 kv_s=kv_s, kt_s=kt_s, kv_parts=kv_parts, p_s=p_s, dp_s=dp_s, dkv_s=dkv_s,
                                 dkvt_s=dkvt_s, delta_s=delta_s,
-                                full=full, kv_free=kv_free, stage_full=stage_full, stage_free=stage_free)
+                                full=full, kv_free=kv_free, stage_full=stage_full, stage_free=stage_free,
+                                ch_s=(ch_s0, ch_s1), acc_t=(acc_t0, acc_t1), ch_full=((ch_full00, ch_full01), (ch_full10, ch_full11)),
+                                ch_free=((ch_free00, ch_free01), (ch_free10, ch_free11)),
+                                step_done=step_done)
             if tx < 256:
                 T.set_max_nreg(mma_regs, 1)
                 T.clear(acc_dq)
@@ -866,7 +957,13 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                     if i + 1 < nb:
                         T.barrier_wait(kv_free, i & 1)
                         gather(w, i + 1)
-                    drain(w, i, 0)
-                    drain(w, i, 1)
+                    if dkv_chunks:
+                        for k in T.unroll(N_OWN[1]):
+                            if k < N_OWN[0]:
+                                drain_chunk(w, i, 0, k)
+                            drain_chunk(w, i, 1, k)
+                    else:
+                        drain(w, i, 0)
+                        drain(w, i, 1)
 
     return tilelang.compile(bwd, pass_configs=PASS_CONFIGS, target=target)
