@@ -213,6 +213,15 @@ def gpu_idle(step, calls=3, top=6):
     return idle, [f"{g:.0f}: {short(a)} -> {short(b)}" for g, a, b in sorted(gaps, reverse=True)[:top]], by_kernel
 
 
+def record_gpu_idle(extra, step, head, tail=""):
+    """``gpu_idle(step)`` into ``extra`` as {head}_gpu_idle_us_per_call{tail}, {head}_largest_gaps_us{tail}
+    and {head}_gpu_us_per_call_by_kernel{tail}."""
+    idle, gaps, by_kernel = gpu_idle(step)
+    extra[f"{head}_gpu_idle_us_per_call{tail}"] = idle
+    extra[f"{head}_largest_gaps_us{tail}"] = gaps
+    extra[f"{head}_gpu_us_per_call_by_kernel{tail}"] = by_kernel
+
+
 def write_host_profile(q, kv, idx, g, path, calls=50):
     """cProfile of `calls` tiny fwd+bwd calls (host time: what a host sync exposes)."""
     import cProfile
@@ -387,10 +396,7 @@ def main():
             if validate:  # where the GPU idles, per policy (profiled calls, so slower than the timings)
                 for pol in times:
                     configure(policy=pol)
-                    idle, gaps, by_kernel = gpu_idle(step)
-                    extra[f"W2_H64_gpu_idle_us_per_call_guard={pol}"] = idle
-                    extra[f"W2_H64_largest_gaps_us_guard={pol}"] = gaps
-                    extra[f"W2_H64_gpu_us_per_call_by_kernel_guard={pol}"] = by_kernel
+                    record_gpu_idle(extra, step, "W2_H64", f"_guard={pol}")
         configure(policy="fallback")
 
         # forward without grad: its flags read before it returns (default) or deferred to a later
@@ -408,10 +414,7 @@ def main():
             extra[f"W2_H64_fwd_ms_forward_flags={mode}"] = statistics.median(ts)
         for mode in times:  # the forward's GPU time by kernel and its idle, per mode
             configure(forward_flags=mode)
-            idle, gaps, by_kernel = gpu_idle(fwd_only)
-            extra[f"W2_H64_fwd_gpu_idle_us_per_call_forward_flags={mode}"] = idle
-            extra[f"W2_H64_fwd_largest_gaps_us_forward_flags={mode}"] = gaps
-            extra[f"W2_H64_fwd_gpu_us_per_call_by_kernel_forward_flags={mode}"] = by_kernel
+            record_gpu_idle(extra, fwd_only, "W2_H64_fwd", f"_forward_flags={mode}")
         configure(forward_flags="eager")
         # W2 H16 (row groups; goal 4.5 ms fwd+bwd): the default call's GPU time by kernel and its idle
         q16 = torch.randn(4096, 16, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -421,10 +424,7 @@ def main():
             q16.grad = kv.grad = None
             sparse_mla(q16, kv, idx, SCALE, d_v=D_V, backend="tilelang")[0].backward(grad16)
 
-        idle, gaps, by_kernel = gpu_idle(step16)
-        extra["W2_H16_gpu_idle_us_per_call"] = idle
-        extra["W2_H16_largest_gaps_us"] = gaps
-        extra["W2_H16_gpu_us_per_call_by_kernel"] = by_kernel
+        record_gpu_idle(extra, step16, "W2_H16")
         del q16, grad16
         # the guard's GPU work alone: one finiteness launch per direction (W2 H64 out+lse, dq+dkv)
         from glm5_dsa_plugin.ops.triton_helpers import flag_nonfinite
