@@ -135,7 +135,8 @@ def group_keys(idx: torch.Tensor, n_kv: int, rows_per_group: int, table_words: i
         _mark_keys[(size, triton.cdiv(R * K, 1024))](idx, table, repeats, n_repeats, g0, T, NG, G, n_kv, n_words,
                                                       K=K, R=R, KPW=kpw, BLOCK=1024, num_warps=4)
         _read_table[(size,)](table, repeats, n_repeats, keys, members, extent, g0, n_kv, n_words,
-                             RK=R * K, RKP=triton.next_power_of_2(R * K), R=R, KPW=kpw, WORDS=2048 // kpw, BLOCK=1024, num_warps=8)
+                             RK=R * K, RKP=triton.next_power_of_2(R * K), R=R, KPW=kpw, WORDS=2048 // kpw,
+                             BLOCK=1024, num_warps=8)
     return keys, members, extent
 
 
