@@ -213,6 +213,17 @@ def gpu_idle(step, calls=3, top=6):
     return idle, [f"{g:.0f}: {short(a)} -> {short(b)}" for g, a, b in sorted(gaps, reverse=True)[:top]], by_kernel
 
 
+def alternating_medians(step, settings, apply, rounds=5):
+    """ms of ``step`` under each of ``settings`` (``apply(setting)`` switches), the settings
+    alternating within each of ``rounds`` rounds, median over the rounds (drift hits all alike)."""
+    times = {setting: [] for setting in settings}
+    for _ in range(rounds):
+        for setting in settings:
+            apply(setting)
+            times[setting].append(bench(step, 5, 40))
+    return {setting: statistics.median(ts) for setting, ts in times.items()}
+
+
 def record_gpu_idle(extra, step, head, tail=""):
     """``gpu_idle(step)`` into ``extra`` as {head}_gpu_idle_us_per_call{tail}, {head}_largest_gaps_us{tail}
     and {head}_gpu_us_per_call_by_kernel{tail}."""
@@ -385,34 +396,25 @@ def main():
                 q.grad = kv.grad = None
                 sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang", validate=validate)[0].backward(grad)
 
-            # off and fallback alternate, 5 rounds, median of the rounds (drift hits both alike)
-            times = {"off": [], "fallback": []}
-            for _ in range(5):
-                for pol in times:
-                    configure(policy=pol)
-                    times[pol].append(bench(step, 5, 40))
-            for pol, ts in times.items():
-                extra[f"W2_H64_fwd_bwd_ms_guard={pol}" + ("" if validate else "_novalidate")] = statistics.median(ts)
+            policies = ("off", "fallback")
+            for pol, ms in alternating_medians(step, policies, lambda pol: configure(policy=pol)).items():
+                extra[f"W2_H64_fwd_bwd_ms_guard={pol}" + ("" if validate else "_novalidate")] = ms
             if validate:  # where the GPU idles, per policy (profiled calls, so slower than the timings)
-                for pol in times:
+                for pol in policies:
                     configure(policy=pol)
                     record_gpu_idle(extra, step, "W2_H64", f"_guard={pol}")
         configure(policy="fallback")
 
         # forward without grad: its flags read before it returns (default) or deferred to a later
-        # call (configure(forward_flags="deferred")); off and on alternate, 5 rounds, medians
+        # call (configure(forward_flags="deferred")); alternating rounds, medians
         def fwd_only():
             with torch.no_grad():
                 sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang")
 
-        times = {"eager": [], "deferred": []}
-        for _ in range(5):
-            for mode in times:
-                configure(forward_flags=mode)
-                times[mode].append(bench(fwd_only, 5, 40))
-        for mode, ts in times.items():
-            extra[f"W2_H64_fwd_ms_forward_flags={mode}"] = statistics.median(ts)
-        for mode in times:  # the forward's GPU time by kernel and its idle, per mode
+        modes = ("eager", "deferred")
+        for mode, ms in alternating_medians(fwd_only, modes, lambda mode: configure(forward_flags=mode)).items():
+            extra[f"W2_H64_fwd_ms_forward_flags={mode}"] = ms
+        for mode in modes:  # the forward's GPU time by kernel and its idle, per mode
             configure(forward_flags=mode)
             record_gpu_idle(extra, fwd_only, "W2_H64_fwd", f"_forward_flags={mode}")
         configure(forward_flags="eager")

@@ -69,9 +69,9 @@ def sparse_mla(
             (before any gradient is returned), or at a later call / ``guard_stats()`` if no
             backward runs. Otherwise (no grad, guard policy ``raise``, CPU) the call raises before
             returning; without grad it can read late too (``configure(forward_flags="deferred")``:
-            raised at a later call, ``guard_stats()``, or printed at exit). Other backends check before any kernel runs. Either way the error names the
-            first bad entry. Only trusted callers that already guarantee the index rule should
-            pass False.
+            raised at a later call, ``guard_stats()``, or printed at exit). Other backends check
+            before any kernel runs. Either way the error names the first bad entry. Only trusted
+            callers that already guarantee the index rule should pass False.
         deterministic: dq/dkv bitwise identical from run to run (TileLang: dKV reduced per kv row
             in a fixed order instead of fp32 atomics; slower, see benchmarks/NOTES.md; the
             reference is deterministic on CPU, and on CUDA under torch.use_deterministic_algorithms).
