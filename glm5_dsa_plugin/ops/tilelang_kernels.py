@@ -693,28 +693,31 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 
 @functools.lru_cache(maxsize=None)
 def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda",
-                             mma_regs=232, producer_regs=40, dkv_chunks=True):
+                             mma_regs=216, producer_regs=72):
     """Warp-specialised backward for 64-row tiles; the same tensors and results as
     ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV). 384 threads in three warpgroups.
 
-    Warpgroups 0-1 run the MMAs of one 32-slot block at a time (scores, P, dP, dS, dQ += dS K),
-    then dKV^T for the block 64 features at a time on wgmma (A = Q^T / dO^T read from shared
-    memory by the tensor cores, B = dS / P): warpgroup 0 the first half of the d_v features,
-    warpgroup 1 the rest and the rope tail. Each chunk's [32 slots, 64] fp32 rows go to one of the
-    warpgroup's two chunk buffers; warpgroup 2 drains them with vector fp32 atomics as they come,
+    Per 32-slot block, the two MMA warpgroups split the score side: warpgroup 0 computes
+    S = Q K^T and P, warpgroup 1 dP = dO V^T and then dS from P (handed over in fp32 through
+    shared memory), so each reads Q or dO once per step (session 14, exp23: 9-10% faster than
+    both computing both for half the slots). Both then add dS K to their half of dQ's columns and
+    compute dKV^T for the block 64 features at a time on wgmma (A = Q^T / dO^T read from shared
+    memory, B = dS / P): warpgroup 0 the first half of the d_v features, warpgroup 1 the rest and
+    the rope tail. Warpgroup 1 computes block i's rope-tail chunk (Q_tail^T dS) during block
+    i + 1, after its dP GEMM, where it would otherwise wait for P (exp25: 4% faster; dp_s keeps
+    block i's dS until warpgroup 1 itself rewrites it; the last block's tail runs after the
+    loop). Each chunk's [32 slots, 64] fp32 rows go to one of the warpgroup's two chunk buffers,
+    in the same order either way; warpgroup 2 drains them with vector fp32 atomics as they come,
     and gathers the next block's kv rows with cp.async as soon as the dQ MMAs are done with the
-    buffer. Shared memory: Q and dO (139 KB) + kv (37 KB) + chunk buffers (35 KB) + P, dS.
-
-    ``dkv_chunks=False``: session 12's dKV instead, as M = 16 mma.sync GEMMs over 16-slot halves
-    (Q and dO read through the LSU pipe with ldmatrix: 5.2 K of the 7.7 K shared-memory
-    wavefronts per 32-slot step, Nsight Compute v15), staged in 16-slot halves. Exact too, and
-    1.7-2.6% slower at W2 / W1 H64, W2 H8 / H16 (exp22, v15); kept for such A/Bs."""
+    buffer. Shared memory: Q and dO (139 KB) + kv (37 KB) + chunk buffers (35 KB) + P (bf16 and
+    fp32), dS. Registers per thread: 216 / 216 / 72 (exp24: 4-5% faster than 232 / 232 / 40;
+    the drain's atomics and the gathers want more than 40)."""
     R = rows_per_block
     assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
     h_blk, nh = row_group_geometry(hg, R)
     assert h_blk == 64, "the warp-specialised backward runs 64-row tiles"
-    BS, SR = 32, 16  # slots per step, slots per staged half
+    BS = 32  # slots per step
     K = topk * R
     assert K % BS == 0
     D, DT, NS = d_v, d_tail, K // BS
@@ -723,7 +726,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     # (vs 50) and ran 8% slower.
     one_tile = R == 1
     QW = D + DT if one_tile else D
-    NCV = D // 64  # dkv_chunks: 64-feature chunks of d_v; warpgroup 0 runs HALF of them, warpgroup 1
+    NCV = D // 64  # 64-feature chunks of d_v; warpgroup 0 runs HALF of them, warpgroup 1
     HALF = NCV // 2  # the other NCV - HALF and the rope tail (chunk index NCV)
     N_OWN = (HALF, NCV - HALF + 1)
     CP = 64 + 4  # chunk buffer row stride (floats): the fragment stores of 8 rows x 4 slot pairs hit 32 banks
@@ -748,21 +751,6 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             if not one_tile:
                 T.ptx_cp_async(T.access_ptr(w.kt_s[e, c], "w", 8), T.access_ptr(w.KV[w.b, key, w.g, D + c], "r", 8), 8)
         T.cp_async_barrier_noinc(w.full)
-
-    @T.macro
-    def drain(w, blk, half):
-        # 128 threads x 16 bytes per step over the staged rows (d_v = 512: one row's first 512
-        # columns per step; the tail: 8 rows per step); padding slots issue nothing
-        tp = w.tx - 256
-        T.barrier_wait(w.stage_full, half)
-        for width, col0, stage in ((D, 0, w.dkv_s), (DT, D, w.dkvt_s)):
-            for r in T.unroll(SR * width // 4 // 128):
-                j = (r * 128 + tp) // (width // 4)
-                d = (r * 128 + tp) % (width // 4) * 4
-                key = w.Indices[w.b, w.s, w.g, blk * BS + half * SR + j]
-                if valid_slot(key, n_kv):
-                    T.atomic_addx4(w.dKV[w.b, key, w.g, col0 + d], stage[j, d])
-        T.barrier_arrive(w.stage_free)
 
     @T.macro
     def wait_chunk_buffer(bars, n, flip):
@@ -804,12 +792,16 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         else:
             for k in T.unroll(N_OWN[1] - 1):
                 value_chunk(w, 1, HALF + k, blk * N_OWN[1] + k)
-            T.gemm(w.q_parts[1], w.dp_s, w.acc_t[1], transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
-                   clear_accum=True)
-            stage_chunk(w, 1, blk * N_OWN[1] + N_OWN[1] - 1)
         # P and dS are rewritten by the next block: both warpgroups are done reading them
         T.barrier_arrive(w.step_done)
         T.barrier_wait(w.step_done, blk & 1)
+
+    @T.macro
+    def tail_chunk(w, blk):
+        # warpgroup 1: block blk's rope-tail chunk, Q_tail^T dS (dp_s still holds blk's dS)
+        T.gemm(w.q_parts[1], w.dp_s, w.acc_t[1], transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
+               clear_accum=True)
+        stage_chunk(w, 1, blk * N_OWN[1] + N_OWN[1] - 1)
 
     @T.macro
     def drain_chunk(w, blk, c, k):
@@ -828,36 +820,41 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     @T.macro
     def step(w, blk):
         T.barrier_wait(w.full, blk & 1)
-        for j in T.Parallel(BS):
-            if R == 1:
-                w.valid[j] = valid_slot(w.Indices[w.b, w.s, w.g, blk * BS + j], n_kv)
-            else:
-                w.valid[j] = T.cast(w.Members[w.b, w.s, w.g, blk * BS + j], T.int32)
-        for h, j in T.Parallel(h_blk, BS):
-            w.acc_p[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
-        T.gemm(w.q_s, w.kv_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-        if not one_tile:
-            T.gemm(w.qt_s, w.kt_s, w.acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-        _block_ds_dq(w, *w.kv_parts, scale, scale2, S, load_lse, h_blk, BS)
-        T.barrier_arrive(w.kv_free)  # warpgroup 2 may gather the next block now
-        if dkv_chunks:
-            dkv_by_chunks(w, blk)
+        if w.tx < 128:
+            # warpgroup 0: masked scores, P = exp(S - lse); P to p32_s (fp32, for dS) and p_s (bf16)
+            for j in T.Parallel(BS):
+                if R == 1:
+                    w.valid[j] = valid_slot(w.Indices[w.b, w.s, w.g, blk * BS + j], n_kv)
+                else:
+                    w.valid[j] = T.cast(w.Members[w.b, w.s, w.g, blk * BS + j], T.int32)
+            for h, j in T.Parallel(h_blk, BS):
+                w.acc_sp[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
+            T.gemm(w.q_s, w.kv_s, w.acc_sp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            if not one_tile:
+                T.gemm(w.qt_s, w.kt_s, w.acc_sp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            for h, j in T.Parallel(h_blk, BS):
+                w.acc_sp[h, j] = T.exp2(w.acc_sp[h, j] * scale2 - load_lse(w.Lse, w.b, w.s, w.h0, h, S) * LOG2E)
+            T.copy(w.acc_sp, w.p32_s[0:h_blk, 0:BS])
+            T.copy(w.acc_sp, w.p_s)
+            T.fence_proxy_async()
+            T.barrier_arrive(w.p_ready)
         else:
-            for half in T.unroll(2):
-                sl = slice(half * SR, (half + 1) * SR)
-                T.gemm(w.dp_s[0:h_blk, sl], w.q_parts[0], w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
-                       clear_accum=True)
-                T.gemm(w.p_s[0:h_blk, sl], w.do_s, w.acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(w.dp_s[0:h_blk, sl], w.q_parts[1], w.acc_dkvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
-                       clear_accum=True)
-                # the stage's previous half (this block's first, or the last block's second) is drained
-                if half == 1:
-                    T.barrier_wait(w.stage_free, 0)
-                elif blk > 0:
-                    T.barrier_wait(w.stage_free, 1)
-                T.copy(w.acc_dkv, w.dkv_s[0:SR, 0:D])
-                T.copy(w.acc_dkvt, w.dkvt_s[0:SR, 0:DT])
-                T.barrier_arrive(w.stage_full)
+            # warpgroup 1: dP = dO V^T, the previous block's tail chunk, then dS = P (dP - Delta) * scale
+            T.gemm(w.do_s, w.kv_parts[0], w.acc_ds, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                   clear_accum=True)
+            if blk > 0:
+                tail_chunk(w, blk - 1)
+            T.barrier_wait(w.p_ready, blk & 1)
+            for h, j in T.Parallel(h_blk, BS):
+                w.acc_ds[h, j] = w.p32_s[h, j] * (w.acc_ds[h, j] - w.delta_s[h]) * scale
+            T.copy(w.acc_ds, w.dp_s)
+            T.fence_proxy_async()
+            T.barrier_arrive(w.ds_ready)
+        T.barrier_wait(w.ds_ready, blk & 1)
+        T.gemm(w.dp_s, w.kv_parts[0], w.acc_dq, policy=T.GemmWarpPolicy.FullCol)
+        T.gemm(w.dp_s, w.kv_parts[1], w.acc_dqt, policy=T.GemmWarpPolicy.FullCol)
+        T.barrier_arrive(w.kv_free)  # warpgroup 2 may gather the next block now
+        dkv_by_chunks(w, blk)
 
     @T.prim_func
     def bwd(
@@ -881,37 +878,34 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             p_s = T.alloc_shared([h_blk, BS], dtype)
             dp_s = T.alloc_shared([h_blk, BS], dtype)
             # rows padded by 8 floats: the MMA warps' fragment stores of 8 rows then fall in distinct banks
-            dkv_s = T.alloc_shared([SR, D + 8], acc) if not dkv_chunks else None
-            dkvt_s = T.alloc_shared([SR, DT + 8], acc) if not dkv_chunks else None
-            ch_s0 = T.alloc_shared([2, BS, CP], acc) if dkv_chunks else None  # warpgroup 0's two chunk buffers
-            ch_s1 = T.alloc_shared([2, BS, CP], acc) if dkv_chunks else None
+            p32_s = T.alloc_shared([h_blk, BS + 8], acc)
+            ch_s0 = T.alloc_shared([2, BS, CP], acc)  # warpgroup 0's two chunk buffers
+            ch_s1 = T.alloc_shared([2, BS, CP], acc)
             delta_s = T.alloc_shared([h_blk], acc)
             valid = T.alloc_fragment([BS], "bool" if R == 1 else T.int32)  # R > 1: member bits
-            acc_p = T.alloc_fragment([h_blk, BS], acc)
-            acc_dp = T.alloc_fragment([h_blk, BS], acc)
+            acc_sp = T.alloc_fragment([h_blk, BS], acc)  # warpgroup 0's scores, then P
+            acc_ds = T.alloc_fragment([h_blk, BS], acc)  # warpgroup 1's dP, then dS
             acc_dq = T.alloc_fragment([h_blk, D], acc)
             acc_dqt = T.alloc_fragment([h_blk, DT], acc)
-            acc_dkv = T.alloc_fragment([SR, D], acc) if not dkv_chunks else None
-            acc_dkvt = T.alloc_fragment([SR, DT], acc) if not dkv_chunks else None
-            acc_t0 = T.alloc_fragment([64, BS], acc) if dkv_chunks else None  # a dKV^T chunk, per warpgroup
-            acc_t1 = T.alloc_fragment([64, BS], acc) if dkv_chunks else None
+            acc_t0 = T.alloc_fragment([64, BS], acc)  # a dKV^T chunk, per warpgroup
+            acc_t1 = T.alloc_fragment([64, BS], acc)
             od = T.alloc_fragment([h_blk, DELTA_COLS], acc)
             od_sum = T.alloc_fragment([h_blk], acc)
             delta = T.alloc_fragment([h_blk], acc)
             full = T.alloc_barrier(arrive_count=128)  # the gatherers' cp.async landed
             kv_free = T.alloc_barrier(arrive_count=256)  # the MMA warpgroups are done with kv_s / kt_s
-            stage_full = T.alloc_barrier(arrive_count=256)  # dkv_s / dkvt_s hold a half block's dKV rows
-            stage_free = T.alloc_barrier(arrive_count=128)  # warpgroup 2 has read them
-            # dkv_chunks: per MMA warpgroup and chunk buffer, staged / drained; both warpgroups done with P, dS
-            ch_full00 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
-            ch_full01 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
-            ch_full10 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
-            ch_full11 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
-            ch_free00 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
-            ch_free01 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
-            ch_free10 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
-            ch_free11 = T.alloc_barrier(arrive_count=128) if dkv_chunks else None
-            step_done = T.alloc_barrier(arrive_count=256) if dkv_chunks else None
+            p_ready = T.alloc_barrier(arrive_count=128)  # warpgroup 0 wrote P
+            ds_ready = T.alloc_barrier(arrive_count=128)  # warpgroup 1 wrote dS
+            # per MMA warpgroup and chunk buffer, staged / drained; both warpgroups done with P, dS
+            ch_full00 = T.alloc_barrier(arrive_count=128)
+            ch_full01 = T.alloc_barrier(arrive_count=128)
+            ch_full10 = T.alloc_barrier(arrive_count=128)
+            ch_full11 = T.alloc_barrier(arrive_count=128)
+            ch_free00 = T.alloc_barrier(arrive_count=128)
+            ch_free01 = T.alloc_barrier(arrive_count=128)
+            ch_free10 = T.alloc_barrier(arrive_count=128)
+            ch_free11 = T.alloc_barrier(arrive_count=128)
+            step_done = T.alloc_barrier(arrive_count=256)
 
             s = bx if R == 1 else NG - 1 - bx  # R > 1: last group first (as the forward)
             g = bz // nh
@@ -930,11 +924,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             q_parts = (q_s[0:h_blk, 0:D], q_s[0:h_blk, D:D + DT]) if one_tile else (q_s, qt_s)
             kv_parts = (kv_s[0:BS, 0:D], kv_s[0:BS, D:D + DT]) if one_tile else (kv_s, kt_s)
             w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, O=O, dO=dO, Lse=Lse, dKV=dKV, b=b, s=s, g=g,
-                                h0=h0, valid=valid, acc_p=acc_p, acc_dp=acc_dp, acc_dq=acc_dq, acc_dqt=acc_dqt,
-                                acc_dkv=acc_dkv, acc_dkvt=acc_dkvt, q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s,
-                                kv_s=kv_s, kt_s=kt_s, kv_parts=kv_parts, p_s=p_s, dp_s=dp_s, dkv_s=dkv_s,
-                                dkvt_s=dkvt_s, delta_s=delta_s,
-                                full=full, kv_free=kv_free, stage_full=stage_full, stage_free=stage_free,
+                                h0=h0, valid=valid, acc_sp=acc_sp, acc_ds=acc_ds, acc_dq=acc_dq, acc_dqt=acc_dqt,
+                                q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s, kv_s=kv_s, kt_s=kt_s,
+                                kv_parts=kv_parts, p_s=p_s, dp_s=dp_s, p32_s=p32_s, delta_s=delta_s,
+                                full=full, kv_free=kv_free, p_ready=p_ready, ds_ready=ds_ready,
                                 ch_s=(ch_s0, ch_s1), acc_t=(acc_t0, acc_t1), ch_full=((ch_full00, ch_full01), (ch_full10, ch_full11)),
                                 ch_free=((ch_free00, ch_free01), (ch_free10, ch_free11)),
                                 step_done=step_done)
@@ -945,6 +938,9 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                 _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D)
                 for i in T.serial(nb):
                     step(w, i)
+                if tx >= 128:
+                    if nb > 0:
+                        tail_chunk(w, nb - 1)
                 _store_rows(dQ, acc_dq, b, s, h0, 0, S, R, hg, h_blk, D)
                 _store_rows(dQ, acc_dqt, b, s, h0, D, S, R, hg, h_blk, DT)
             else:
@@ -957,13 +953,9 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                     if i + 1 < nb:
                         T.barrier_wait(kv_free, i & 1)
                         gather(w, i + 1)
-                    if dkv_chunks:
-                        for k in T.unroll(N_OWN[1]):
-                            if k < N_OWN[0]:
-                                drain_chunk(w, i, 0, k)
-                            drain_chunk(w, i, 1, k)
-                    else:
-                        drain(w, i, 0)
-                        drain(w, i, 1)
+                    for k in T.unroll(N_OWN[1]):
+                        if k < N_OWN[0]:
+                            drain_chunk(w, i, 0, k)
+                        drain_chunk(w, i, 1, k)
 
     return tilelang.compile(bwd, pass_configs=PASS_CONFIGS, target=target)
