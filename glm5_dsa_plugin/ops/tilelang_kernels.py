@@ -699,7 +699,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
 
     Per 32-slot block, the two MMA warpgroups split the score side: warpgroup 0 computes
     S = Q K^T and P, warpgroup 1 dP = dO V^T and then dS from P (handed over in fp32 through
-    shared memory), so each reads Q or dO once per step (session 14, exp23: 9-10% faster than
+    shared memory), so each reads Q or dO once per step (session 14, exp23: 8.7-10.3% faster than
     both computing both for half the slots). Both then add dS K to their half of dQ's columns and
     compute dKV^T for the block 64 features at a time on wgmma (A = Q^T / dO^T read from shared
     memory, B = dS / P): warpgroup 0 the first half of the d_v features, warpgroup 1 the rest and
