@@ -262,6 +262,26 @@ def _check_repair_args(fn: str, repaired: dict, kv: torch.Tensor, indices: torch
         raise ValueError(f"{fn}: flags must be int32 with >= 5 slots")
 
 
+def _query_row_launch(q, kv, indices, d_v, precision, slots_per_step, rows_per_program, bf16_dots):
+    """What the two query-row kernels are launched with besides their tensors and sizes: the grid
+    (blocks of ``rows_per_program`` query rows x head blocks of HEADS_PER_PROGRAM per kv group),
+    kv's and the indices' strides (b, t, g) and the compile-time constants."""
+    B, T, H, D = q.shape
+    G = kv.shape[2]
+    grid = (triton.cdiv(B * T, rows_per_program), G * triton.cdiv(H // G, HEADS_PER_PROGRAM))
+    strides = (kv.stride(0), kv.stride(1), kv.stride(2), indices.stride(0), indices.stride(1), indices.stride(2))
+    consts = dict(D_V=d_v, D_T=D - d_v, BV=triton.next_power_of_2(d_v), BT=max(16, triton.next_power_of_2(D - d_v)),
+                  HB=HEADS_PER_PROGRAM, BS=slots_per_step, PREC=precision, ROWS=rows_per_program, BF16=bf16_dots)
+    return grid, strides, consts
+
+
+def _bf16_dots(*tensors: torch.Tensor) -> bool:
+    """bf16 tensor-core dots when every input is bf16; not under TRITON_INTERPRET (its bf16 tl.dot
+    is wrong in Triton 3.6), where the fp32 path computes the same values."""
+    return (all(t.dtype == torch.bfloat16 for t in tensors)
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+
+
 def repair_backward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                          sm_scale: float, d_v: int, dq: torch.Tensor, dkv: torch.Tensor,
                          flags: torch.Tensor, precision: str = DOT_PRECISION, slots_per_step: int = SLOTS_PER_STEP,
@@ -289,17 +309,10 @@ def repair_backward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     block = 1024
     _mark_bad_rows[(n_kv_rows + B * T,)](dkv, bad_kv, acc, n_kv_rows, dq, bad_q, flags, KV_ROW=row_elems, Q_ROW=H * D,
                                          BLOCK=block)
-    # bf16 tensor-core dots for bf16 inputs; not under TRITON_INTERPRET (its bf16 tl.dot is wrong
-    # in Triton 3.6), where the fp32 path computes the same values
-    bf16_dots = (q.dtype == kv.dtype == grad_out.dtype == torch.bfloat16 and bf16 is not False
-                 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
-    hb = HEADS_PER_PROGRAM
-    grid = (triton.cdiv(B * T, rows_per_program), G * triton.cdiv(HG, hb))
-    _repair_query_rows[grid](
-        q, kv, indices, grad_out, dq, bad_kv, bad_q, acc, flags, B * T, T, T_kv, H, HG, G, K, float(sm_scale),
-        kv.stride(0), kv.stride(1), kv.stride(2), indices.stride(0), indices.stride(1), indices.stride(2),
-        D_V=d_v, D_T=D - d_v, BV=triton.next_power_of_2(d_v), BT=max(16, triton.next_power_of_2(D - d_v)),
-        HB=hb, BS=slots_per_step, PREC=precision, ROWS=rows_per_program, BF16=bf16_dots, num_warps=num_warps)
+    grid, strides, consts = _query_row_launch(q, kv, indices, d_v, precision, slots_per_step, rows_per_program,
+                                              bf16 is not False and _bf16_dots(q, kv, grad_out))
+    _repair_query_rows[grid](q, kv, indices, grad_out, dq, bad_kv, bad_q, acc, flags, B * T, T, T_kv, H, HG, G, K,
+                             float(sm_scale), *strides, **consts, num_warps=num_warps)
     _write_bad_kv_rows[(n_kv_rows,)](dkv, bad_kv, acc, flags, row_elems, BLOCK=block)
 
 
@@ -368,7 +381,7 @@ def repair_forward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     nonfinite. q [B,T,H,Dqk]; kv [B,T_kv,G,Dqk] and indices [B,T,G,K] as the call saw them (may
     be strided views; a slot outside [0, T_kv) counts as padding). ``flags``: int32 [>= 5],
     device. Two launches, no host sync; with ``flags[1] == 0`` they only read it."""
-    B, T, H, D = q.shape
+    B, T, H, _ = q.shape
     T_kv, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
     _check_repair_args("repair_forward_rows", {"out": out, "lse": lse}, kv, indices, flags)
     if B * T == 0:
@@ -377,12 +390,7 @@ def repair_forward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     HG = H // G
     bad_q = torch.empty(B * T, dtype=torch.int32, device=q.device)
     _mark_bad_out_rows[(B * T,)](out, lse, bad_q, flags, O_ROW=H * d_v, L_ROW=H, BLOCK=1024)
-    bf16_dots = (q.dtype == kv.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
-    hb = HEADS_PER_PROGRAM
-    grid = (triton.cdiv(B * T, rows_per_program), G * triton.cdiv(HG, hb))
-    _repair_forward_rows[grid](
-        q, kv, indices, out, lse, bad_q, flags, B * T, T, T_kv, H, HG, K, float(sm_scale),
-        kv.stride(0), kv.stride(1), kv.stride(2), indices.stride(0), indices.stride(1), indices.stride(2),
-        D_V=d_v, D_T=D - d_v, BV=triton.next_power_of_2(d_v), BT=max(16, triton.next_power_of_2(D - d_v)),
-        HB=hb, BS=slots_per_step, PREC=precision, ROWS=rows_per_program, BF16=bf16_dots, EMPTY_LSE=EMPTY_ROW_LSE,
-        num_warps=num_warps)
+    grid, strides, consts = _query_row_launch(q, kv, indices, d_v, precision, slots_per_step, rows_per_program,
+                                              _bf16_dots(q, kv))
+    _repair_forward_rows[grid](q, kv, indices, out, lse, bad_q, flags, B * T, T, T_kv, H, HG, K, float(sm_scale),
+                               *strides, **consts, EMPTY_LSE=EMPTY_ROW_LSE, num_warps=num_warps)
