@@ -128,11 +128,14 @@ SM90A = json.dumps({"kind": "cuda", "arch": "sm_90a"})  # setmaxnreg and wgmma n
 @pytest.mark.parametrize("heads,R", [(64, 1), (128, 1), (8, 8), (16, 4), (32, 2)])
 def test_warp_specialized_forward_builds_and_fits(heads, R):
     """The warp-specialised forward (64-row tiles: H64/H128 one row per block, row groups) builds
-    for sm_90a within 227 KiB; its gather warpgroup copies with cp.async and has no partial
-    barrier; each MMA warpgroup has its own partial-barrier id (a shared id hung session 7's first
-    version); both MMA warpgroups compute scores as one 576-deep GEMM over [64, 576] Q and kv tiles
-    (three GEMMs over split tiles ran 1.41x slower, session 11) and run the PV GEMM from registers
-    once per pair; the setmaxnreg counts fit the 3 x 168 registers per thread given at launch."""
+    for sm_90a within 227 KiB; its gather warpgroup copies Q and kv with cp.async and has no
+    partial barrier; each MMA warpgroup has its own partial-barrier id (a shared id hung session
+    7's first version); each MMA warpgroup computes its scores as two GEMMs over the kv buffer's
+    column parts (each part has its own full / free mbarriers), runs one PV GEMM from registers
+    (its own P) and one from shared memory (the other warpgroup's), the latter for warpgroup 1
+    from buffer 0's rope-tail columns; warpgroup 0 never waits for part of its wgmma groups
+    (a partial wait under its overlapped PV made ptxas serialise every wgmma, session 15); the
+    setmaxnreg counts fit the 3 x 168 registers per thread given at launch."""
     import re
 
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_ws_kernel
@@ -151,7 +154,10 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
     ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", r)) for r in roles[:2]]
     assert all(len(i) == 1 for i in ids) and ids[0] != ids[1]
     for r in roles[:2]:
-        assert r.count("wgmma_rs<") == 1 and r.count("64, 64, 16") == 1
+        assert r.count("wgmma_rs<") == 1 and r.count("wgmma_ss<") == 3 and r.count("64, 64, 16") == 2
+    assert "wait_wgmma<1>" not in roles[0]
+    # warpgroup 1's P0 V0: A at byte offset d_v * 64 * 2 of buffer 0 (its rope-tail columns)
+    assert re.search(r"initialize_wgmma_descriptor<1, 1, 64>\(desc_a_\d+, \(\(void\*\)\(\(char\*\)\(&\(\(\(bfloat16_t\*\)kv\w*\)\[0\]\)\) \+ 65536\)\)\)", roles[1])
     assert ("Members" in src) == (R > 1)
 
 

@@ -368,17 +368,23 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     host-rewritten to [0, T_kv] with the zero sentinel row T_kv, gathered as they are, like
     ``select_in_kernel=False``).
 
-    384 threads in three warpgroups. Warpgroup 2 gathers the kv rows of blocks 2i and 2i + 1 with
-    cp.async into buffers 0 and 1 (an mbarrier per buffer says "full", another "free"). The two
-    MMA warpgroups split the work of a pair evenly: warpgroup c computes the scores of block
-    2i + c (64 x 64, 576 deep), the pair's common running max is exchanged through shared memory,
-    and warpgroup c then accumulates out[:, c*d_v/2:(c+1)*d_v/2] from both blocks: its own
-    probabilities from registers, the other warpgroup's from shared memory. The row sums stay per
-    warpgroup (its own blocks) and are added at the end. The loop runs the row's (group's) own
-    blocks, a dynamic count, in pairs; the second block of an odd last pair gathers the block
-    min(nb, NI - 1) again (in bounds) and is fully masked. Q and each kv buffer are one
-    [64, d_v + d_tail] shared tile, so the scores are one GEMM and PV reads column slices (the
-    same kernel with tiles split at d_v / 2 and d_v, scores in three GEMMs, ran 1.41x slower)."""
+    384 threads in three warpgroups. Warpgroup 2 copies the Q tile (cp.async, its own mbarrier),
+    then gathers blocks 2i and 2i + 1 of each pair into kv buffers 0 and 1, each buffer in two
+    column parts, left [0, d_v / 2) and right [d_v / 2, d_v + d_tail), with a "full" and a "free"
+    mbarrier per part. MMA warpgroup c scores block 2i + c (its buffer's parts in the order they
+    are freed) and accumulates out[:, c*d_v/2:(c+1)*d_v/2] from both blocks. The running max is
+    handed one way per pair: warpgroup 0 folds its block's max into the running max, publishes it
+    and runs P0 V0 at once; warpgroup 1 folds its block's max into that (the pair's final max),
+    publishes P1 (p_s) and runs P1 V1; warpgroup 0 rescales P0 and its out to the final max,
+    publishes P0 in buffer 0's rope-tail columns (dead once its scores are done: a second P
+    buffer without shared memory) and runs P1 V1, which is still running under the first half of
+    its next score GEMM; warpgroup 1 runs P0 V0. A part is freed when its last reader is done:
+    buffer 0's left part after warpgroup 0's P0 V0, so the next gather starts mid-pair. Row sums
+    stay per warpgroup and are added at the end. Rows run last first (R = 1; row groups did
+    already): under a causal mask the last rows hold the longest key lists. The loop runs the
+    row's (group's) own blocks, a dynamic count, in pairs; the second block of an odd last pair
+    gathers the block min(nb, NI - 1) again (in bounds) and is fully masked. (Session 15, exp28 /
+    exp29: 10-16% faster than the exchanged max with one P buffer and whole-buffer barriers.)"""
     R = rows_per_block
     assert heads % kv_group == 0 and topk % BLOCK_TOPK == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
@@ -386,6 +392,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     assert h_blk == 64, "the warp-specialised forward runs 64-row tiles"
     D, DT, BI = d_v, d_tail, BLOCK_TOPK
     DH = D // 2
+    UL, UA = DH // 64, (D + DT) // 64  # 64-column units: the left part, all
     K = topk * R  # slots (R > 1: entries) per list
     NI = K // BI
     scale2 = float(sm_scale) * LOG2E
@@ -393,31 +400,48 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
     NG = S if R == 1 else T.dynamic("row_groups")
     n_kv = SKV1 - 1
-    load_rows, _, attends = _row_group_access(R, hg)
+    _, _, attends = _row_group_access(R, hg)
 
     @T.macro
-    def gather(w, blk, kv, full):
-        # explicit cp.async, 8 threads per kv row (16 bytes each), 16 rows per pass; the mbarrier
-        # arrival fires when this thread's copies land. (A T.Parallel copy would make TileLang
-        # 0.1.15 insert partial barriers that reuse an MMA warpgroup's barrier id.) An odd last
-        # block (blk == nb) re-reads block min(blk, NI - 1), which is in bounds; the scores mask it.
+    def gather(w, blk, kv, u0, u1, full):
+        # explicit cp.async of 64-column units [u0, u1) of block blk's rows, 8 threads per kv row
+        # (16 bytes each), 16 rows per pass; the mbarrier arrival fires when this thread's copies
+        # land. (A T.Parallel copy would make TileLang 0.1.15 insert partial barriers that reuse an
+        # MMA warpgroup's barrier id.) An odd last block (blk == nb) re-reads block
+        # min(blk, NI - 1), which is in bounds; the scores mask it.
         tp = w.tx - 256
         blk_c = T.min(blk, NI - 1)
         for rr in T.serial(BI // 16):
             e = rr * 16 + tp // 8
             key = w.Indices[w.b, w.s, w.g, blk_c * BI + e]
             c = tp % 8 * 8
-            for u in T.unroll((D + DT) // 64):
+            for u in T.unroll(u0, u1):
                 T.ptx_cp_async(T.access_ptr(kv[e, u * 64 + c], "w", 8),
                                T.access_ptr(w.KV[w.b, key, w.g, u * 64 + c], "r", 8), 8)
         T.cp_async_barrier_noinc(full)
 
     @T.macro
-    def pair(w, c, i):
-        # MMA warpgroup c on pair i: scores of block 2i + c, softmax under the pair's common max,
-        # then its half of out from both blocks
-        blk = i * 2 + c
-        T.barrier_wait(w.full[c], i & 1)
+    def load_q(w):
+        # the Q tile by cp.async, laid out like a kv block; R > 1: rows past the sequence read the
+        # last row (their slots are all masked and their outputs never stored)
+        tp = w.tx - 256
+        for rr in T.serial(h_blk // 16):
+            h = rr * 16 + tp // 8
+            c = tp % 8 * 8
+            if R == 1:
+                for u in T.unroll(UA):
+                    T.ptx_cp_async(T.access_ptr(w.q_s[h, u * 64 + c], "w", 8),
+                                   T.access_ptr(w.Q[w.b, w.s, w.h0 + h, u * 64 + c], "r", 8), 8)
+            else:
+                for u in T.unroll(UA):
+                    T.ptx_cp_async(T.access_ptr(w.q_s[h, u * 64 + c], "w", 8),
+                                   T.access_ptr(w.Q[w.b, T.min(w.s * R + h // hg, w.S - 1), w.h0 + h % hg, u * 64 + c],
+                                                "r", 8), 8)
+        T.cp_async_barrier_noinc(w.q_full)
+
+    @T.macro
+    def mask_block(w, blk):
+        # acc_s := 0 for the slots of block blk this tile attends, -inf for the others
         for j in T.Parallel(BI):
             if R == 1:
                 w.valid[j] = (blk < w.nb) & valid_slot(w.Indices[w.b, w.s, w.g, T.min(blk, NI - 1) * BI + j], n_kv)
@@ -426,16 +450,39 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                     blk < w.nb, T.cast(w.Members[w.b, w.s, w.g, T.min(blk, NI - 1) * BI + j], T.int32), 0)
         for h, j in T.Parallel(h_blk, BI):
             w.acc_s[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
-        T.gemm(w.q_s, w.kv[c], w.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.reduce_max(w.acc_s, w.m_blk, dim=1, clear=True)
-        for h in T.Parallel(h_blk):
-            w.max_s[c, h] = w.m_blk[h]
-        T.barrier_arrive(w.max_full)
-        T.barrier_wait(w.max_full, i & 1)
-        for h in T.Parallel(h_blk):
-            w.m_blk[h] = T.max(w.m[h], T.max(w.max_s[0, h], w.max_s[1, h]))
-            w.alpha[h] = T.exp2((w.m[h] - w.m_blk[h]) * scale2)
-            w.m[h] = w.m_blk[h]
+
+    @T.macro
+    def scores(w, c, i):
+        # warpgroup c: acc_s (masked by mask_block at the end of the previous pair) += Q K^T of
+        # block 2i + c, its buffer's parts in the order they are freed (warpgroup 0: left first;
+        # warpgroup 1: right first). Warpgroup 0's P1 V1 of the previous pair is still running
+        # under the first half: buffer 1's left part is free once both are done. (Waiting for
+        # that PV alone, wait_wgmma(1), makes ptxas serialise every wgmma of the kernel: C7514.)
+        kv = w.kv[c]
+        if c == 0:
+            T.barrier_wait(w.full[0][0], i & 1)
+            T.gemm(w.q_s[0:h_blk, 0:DH], kv[0:BI, 0:DH], w.acc_s, transpose_B=True,
+                   policy=T.GemmWarpPolicy.FullRow, annotations={"wg_wait": -1})
+            T.wait_wgmma(0)
+            if i > 0:
+                T.barrier_arrive(w.free[1][0])
+            T.barrier_wait(w.full[0][1], i & 1)
+            T.gemm(w.q_s[0:h_blk, DH:D + DT], kv[0:BI, DH:D + DT], w.acc_s, transpose_B=True,
+                   policy=T.GemmWarpPolicy.FullRow, annotations={"wg_wait": -1})
+        else:
+            T.barrier_wait(w.full[1][1], i & 1)
+            T.gemm(w.q_s[0:h_blk, DH:D + DT], kv[0:BI, DH:D + DT], w.acc_s, transpose_B=True,
+                   policy=T.GemmWarpPolicy.FullRow, annotations={"wg_wait": -1})
+            T.barrier_wait(w.full[1][0], i & 1)
+            T.gemm(w.q_s[0:h_blk, 0:DH], kv[0:BI, 0:DH], w.acc_s, transpose_B=True,
+                   policy=T.GemmWarpPolicy.FullRow, annotations={"wg_wait": -1})
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(w.acc_s, num_regs=h_blk * BI // 128)
+
+    @T.macro
+    def softmax(w):
+        # acc_s -> P under the running max w.m (already folded with this block's max); row sums
+        # and out rescaled by alpha (the previous max over the new one)
         for h, j in T.Parallel(h_blk, BI):
             w.acc_s[h, j] = T.exp2(w.acc_s[h, j] * scale2 - w.m[h] * scale2)
         T.reduce_sum(w.acc_s, w.blk_sum, dim=1)
@@ -443,27 +490,68 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             w.row_sum[h] = w.row_sum[h] * w.alpha[h] + w.blk_sum[h]
         for h, d in T.Parallel(h_blk, DH):
             w.acc_o[h, d] = w.acc_o[h, d] * w.alpha[h]
+
+    @T.macro
+    def pair0(w, i):
+        scores(w, 0, i)
+        T.reduce_max(w.acc_s, w.m_blk, dim=1, clear=True)
+        for h in T.Parallel(h_blk):
+            w.m_blk[h] = T.max(w.m[h], w.m_blk[h])
+            w.alpha[h] = T.exp2((w.m[h] - w.m_blk[h]) * scale2)
+            w.m[h] = w.m_blk[h]
+            w.max_s[0, h] = w.m_blk[h]
+        T.barrier_arrive(w.max_ready[0])
+        softmax(w)
         T.copy(w.acc_s, w.p)
-        if c == 0:
-            # publish P0, then P0 V0[:, :DH] from registers while warpgroup 1 reads P0 from
-            # shared memory; P1 arrives when warpgroup 1 has read P0 (one P buffer)
-            T.copy(w.acc_s, w.p_s)
-            T.fence_proxy_async()  # generic-proxy stores -> warpgroup 1's wgmma reads
-            T.barrier_arrive(w.p_full[0])
-            T.gemm(w.p, w.kv[0][0:BI, 0:DH], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
-            T.barrier_arrive(w.free[0])
-            T.barrier_wait(w.p_full[1], i & 1)
-            T.gemm(w.p_s, w.kv[1][0:BI, 0:DH], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
-            T.barrier_arrive(w.free[1])
-        else:
-            T.barrier_wait(w.p_full[0], i & 1)
-            T.gemm(w.p_s, w.kv[0][0:BI, DH:D], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
-            T.barrier_arrive(w.free[0])
-            T.copy(w.acc_s, w.p_s)
-            T.fence_proxy_async()
-            T.barrier_arrive(w.p_full[1])
-            T.gemm(w.p, w.kv[1][0:BI, DH:D], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
-            T.barrier_arrive(w.free[1])
+        T.gemm(w.p, w.kv[0][0:BI, 0:DH], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
+        T.barrier_arrive(w.free[0][0])
+        # the pair's final max (warpgroup 1's): P0 and out rescaled to it, P0 published in
+        # buffer 0's rope-tail columns
+        T.barrier_wait(w.max_ready[1], i & 1)
+        for h in T.Parallel(h_blk):
+            w.alpha[h] = T.exp2((w.m[h] - w.max_s[1, h]) * scale2)
+            w.m[h] = w.max_s[1, h]
+            w.row_sum[h] = w.row_sum[h] * w.alpha[h]
+        for h, j in T.Parallel(h_blk, BI):
+            w.acc_s[h, j] = w.acc_s[h, j] * w.alpha[h]
+        T.copy(w.acc_s, w.kv[0][0:BI, D:D + DT])
+        T.fence_proxy_async()  # generic-proxy stores -> warpgroup 1's wgmma reads
+        T.barrier_arrive(w.p_ready[0])
+        for h, d in T.Parallel(h_blk, DH):
+            w.acc_o[h, d] = w.acc_o[h, d] * w.alpha[h]
+        mask_block(w, i * 2 + 2)
+        T.barrier_wait(w.p_ready[1], i & 1)
+        T.gemm(w.p_s, w.kv[1][0:BI, 0:DH], w.acc_o, policy=T.GemmWarpPolicy.FullRow,
+               annotations={"wg_wait": -1})
+
+    @T.macro
+    def pair1(w, i):
+        scores(w, 1, i)
+        T.reduce_max(w.acc_s, w.m_blk, dim=1, clear=True)
+        T.barrier_wait(w.max_ready[0], i & 1)
+        for h in T.Parallel(h_blk):
+            w.m_blk[h] = T.max(w.max_s[0, h], w.m_blk[h])
+            w.alpha[h] = T.exp2((w.m[h] - w.m_blk[h]) * scale2)
+            w.m[h] = w.m_blk[h]
+            w.max_s[1, h] = w.m_blk[h]
+        T.barrier_arrive(w.max_ready[1])
+        softmax(w)
+        T.copy(w.acc_s, w.p_s)
+        T.fence_proxy_async()
+        T.barrier_arrive(w.p_ready[1])
+        T.copy(w.acc_s, w.p)
+        # both PV GEMMs in flight back to back; the next block's mask while they run
+        T.gemm(w.p, w.kv[1][0:BI, DH:D], w.acc_o, policy=T.GemmWarpPolicy.FullRow,
+               annotations={"wg_wait": -1})
+        T.barrier_wait(w.p_ready[0], i & 1)
+        T.gemm(w.kv[0][0:BI, D:D + DT], w.kv[0][0:BI, DH:D], w.acc_o, policy=T.GemmWarpPolicy.FullRow,
+               annotations={"wg_wait": -1})
+        T.wait_wgmma(1)
+        T.barrier_arrive(w.free[1][1])
+        mask_block(w, i * 2 + 3)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(w.acc_o, num_regs=h_blk * DH // 128)
+        T.barrier_arrive(w.free[0][1])
 
     @T.macro
     def consume(w, c):
@@ -471,8 +559,15 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         T.fill(w.acc_o, 0)
         T.fill(w.row_sum, 0)
         T.fill(w.m, _MASK_INIT)
+        mask_block(w, c)
+        T.barrier_wait(w.q_full, 0)
         for i in T.serial((w.nb + 1) // 2):
-            pair(w, c, i)
+            if c == 0:
+                pair0(w, i)
+            else:
+                pair1(w, i)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(w.acc_o, num_regs=h_blk * DH // 128)
         for h in T.Parallel(h_blk):
             w.sum_s[c, h] = w.row_sum[h]
         T.barrier_arrive(w.sum_full)
@@ -498,7 +593,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             q_s = T.alloc_shared([h_blk, D + DT], dtype)
             kv0 = T.alloc_shared([BI, D + DT], dtype)
             kv1 = T.alloc_shared([BI, D + DT], dtype)
-            p_s = T.alloc_shared([h_blk, BI], dtype)
+            p_s = T.alloc_shared([h_blk, BI], dtype)  # P1; P0 goes to kv0's rope-tail columns
             max_s = T.alloc_shared([2, h_blk], acc)
             sum_s = T.alloc_shared([2, h_blk], acc)
             # per MMA warpgroup (0 / 1): registers of its own
@@ -520,28 +615,33 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             m1 = T.alloc_fragment([h_blk], acc)
             m_blk0 = T.alloc_fragment([h_blk], acc)
             m_blk1 = T.alloc_fragment([h_blk], acc)
-            full0 = T.alloc_barrier(arrive_count=128)  # the gatherers' cp.async landed
-            full1 = T.alloc_barrier(arrive_count=128)
-            free0 = T.alloc_barrier(arrive_count=256)  # both MMA warpgroups are done with the buffer
-            free1 = T.alloc_barrier(arrive_count=256)
-            max_full = T.alloc_barrier(arrive_count=256)  # max_s holds both blocks' maxima
-            p_full0 = T.alloc_barrier(arrive_count=128)  # p_s holds P0 (warpgroup 0's block)
-            p_full1 = T.alloc_barrier(arrive_count=128)  # p_s holds P1
+            full0l = T.alloc_barrier(arrive_count=128)  # the gatherers' cp.async of a part landed
+            full0r = T.alloc_barrier(arrive_count=128)
+            full1l = T.alloc_barrier(arrive_count=128)
+            full1r = T.alloc_barrier(arrive_count=128)
+            free0l = T.alloc_barrier(arrive_count=128)  # a part's last reader is done with it
+            free0r = T.alloc_barrier(arrive_count=128)
+            free1l = T.alloc_barrier(arrive_count=128)
+            free1r = T.alloc_barrier(arrive_count=128)
+            max_ready0 = T.alloc_barrier(arrive_count=128)  # max_s[0]: running max with block 2i's
+            max_ready1 = T.alloc_barrier(arrive_count=128)  # max_s[1]: the pair's final max
+            p_ready0 = T.alloc_barrier(arrive_count=128)  # kv0's rope-tail columns hold P0
+            p_ready1 = T.alloc_barrier(arrive_count=128)  # p_s holds P1
             sum_full = T.alloc_barrier(arrive_count=256)  # sum_s holds both row sums
+            q_full = T.alloc_barrier(arrive_count=128)  # the Q tile landed
 
-            s = bx // rep if R == 1 else NG - 1 - bx  # R > 1: last group first (as the other kernels)
+            s = NG - 1 - bx // rep  # last rows (groups) first: under a causal mask the longest lists
             h0 = g * hg + (bx % rep) * h_blk
             nb = T.min(slot_blocks(Extent[b, s, g], BI), NI)
             pairs = (nb + 1) // 2
             tx = T.get_thread_binding()
-            for h, d in T.Parallel(h_blk, D + DT):
-                q_s[h, d] = load_rows(Q, b, s, h0, h, d, S)
-            T.sync_threads()
             kv = (kv0, kv1)
+            full = ((full0l, full0r), (full1l, full1r))
+            free = ((free0l, free0r), (free1l, free1r))
             shared = dict(tx=tx, nb=nb, Indices=Indices, Members=Members, KV=KV, b=b, s=s, g=g, q_s=q_s,
-                          kv=kv, p_s=p_s, max_s=max_s, full=(full0, full1), free=(free0, free1),
-                          max_full=max_full, p_full=(p_full0, p_full1), sum_s=sum_s, sum_full=sum_full,
-                          Out=Out, Lse=Lse, h0=h0, S=S)
+                          kv=kv, p_s=p_s, max_s=max_s, full=full, free=free, max_ready=(max_ready0, max_ready1),
+                          p_ready=(p_ready0, p_ready1), sum_s=sum_s, sum_full=sum_full,
+                          Out=Out, Lse=Lse, h0=h0, S=S, Q=Q, q_full=q_full)
             if tx < 128:
                 consume(SimpleNamespace(valid=valid0, acc_s=acc_s0, p=p0, acc_o=acc_o0, row_sum=row_sum0,
                                         blk_sum=blk_sum0, alpha=alpha0, m=m0, m_blk=m_blk0, **shared), 0)
@@ -551,11 +651,17 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             else:
                 T.set_max_nreg(40, 0)
                 w = SimpleNamespace(**shared)
+                load_q(w)
                 for i in T.serial(pairs):
-                    T.barrier_wait(free0, (i & 1) ^ 1)
-                    gather(w, i * 2, kv[0], full0)
-                    T.barrier_wait(free1, (i & 1) ^ 1)
-                    gather(w, i * 2 + 1, kv[1], full1)
+                    # parts in the order their last readers free them
+                    T.barrier_wait(free0l, (i & 1) ^ 1)
+                    gather(w, i * 2, kv0, 0, UL, full0l)
+                    T.barrier_wait(free1r, (i & 1) ^ 1)
+                    gather(w, i * 2 + 1, kv1, UL, UA, full1r)
+                    T.barrier_wait(free0r, (i & 1) ^ 1)
+                    gather(w, i * 2, kv0, UL, UA, full0r)
+                    T.barrier_wait(free1l, (i & 1) ^ 1)
+                    gather(w, i * 2 + 1, kv1, 0, UL, full1l)
 
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
 
