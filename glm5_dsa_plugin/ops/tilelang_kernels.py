@@ -374,17 +374,18 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     mbarrier per part. MMA warpgroup c scores block 2i + c (its buffer's parts in the order they
     are freed) and accumulates out[:, c*d_v/2:(c+1)*d_v/2] from both blocks. The running max is
     handed one way per pair: warpgroup 0 folds its block's max into the running max, publishes it
-    and runs P0 V0 at once; warpgroup 1 folds its block's max into that (the pair's final max),
-    publishes P1 (p_s) and runs P1 V1; warpgroup 0 rescales P0 and its out to the final max,
-    publishes P0 in buffer 0's rope-tail columns (dead once its scores are done: a second P
-    buffer without shared memory) and runs P1 V1, which is still running under the first half of
-    its next score GEMM; warpgroup 1 runs P0 V0. A part is freed when its last reader is done:
+    and starts P0 V0 at once; warpgroup 1 folds its block's max into that (the pair's final max),
+    publishes P1 (p_s) and runs P1 V1; warpgroup 0, while its P0 V0 runs, rescales P0 to the
+    final max and publishes it in buffer 0's rope-tail columns (dead once its scores are done: a
+    second P buffer without shared memory), then rescales its out and runs P1 V1, which is still
+    running under the first half of its next score GEMM; warpgroup 1 runs P0 V0. A part is freed when its last reader is done:
     buffer 0's left part after warpgroup 0's P0 V0, so the next gather starts mid-pair. Row sums
     stay per warpgroup and are added at the end. Rows run last first (R = 1; row groups did
     already): under a causal mask the last rows hold the longest key lists. The loop runs the
     row's (group's) own blocks, a dynamic count, in pairs; the second block of an odd last pair
     gathers the block min(nb, NI - 1) again (in bounds) and is fully masked. (Session 15, exp28 /
-    exp29: 10-16% faster than the exchanged max with one P buffer and whole-buffer barriers.)"""
+    exp29: 10-16% faster than the exchanged max with one P buffer and whole-buffer barriers;
+    exp31: publishing P0 during P0 V0, 5% at H16 R4, within noise elsewhere.)"""
     R = rows_per_block
     assert heads % kv_group == 0 and topk % BLOCK_TOPK == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
@@ -503,10 +504,10 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         T.barrier_arrive(w.max_ready[0])
         softmax(w)
         T.copy(w.acc_s, w.p)
-        T.gemm(w.p, w.kv[0][0:BI, 0:DH], w.acc_o, policy=T.GemmWarpPolicy.FullRow)
-        T.barrier_arrive(w.free[0][0])
-        # the pair's final max (warpgroup 1's): P0 and out rescaled to it, P0 published in
-        # buffer 0's rope-tail columns
+        T.gemm(w.p, w.kv[0][0:BI, 0:DH], w.acc_o, policy=T.GemmWarpPolicy.FullRow,
+               annotations={"wg_wait": -1})
+        # while P0 V0 runs: the pair's final max (warpgroup 1's), P0 rescaled to it and published
+        # in buffer 0's rope-tail columns (acc_s, not the GEMM's operand p)
         T.barrier_wait(w.max_ready[1], i & 1)
         for h in T.Parallel(h_blk):
             w.alpha[h] = T.exp2((w.m[h] - w.max_s[1, h]) * scale2)
@@ -517,6 +518,9 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         T.copy(w.acc_s, w.kv[0][0:BI, D:D + DT])
         T.fence_proxy_async()  # generic-proxy stores -> warpgroup 1's wgmma reads
         T.barrier_arrive(w.p_ready[0])
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(w.acc_o, num_regs=h_blk * DH // 128)
+        T.barrier_arrive(w.free[0][0])
         for h, d in T.Parallel(h_blk, DH):
             w.acc_o[h, d] = w.acc_o[h, d] * w.alpha[h]
         mask_block(w, i * 2 + 2)
@@ -536,10 +540,10 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             w.max_s[1, h] = w.m_blk[h]
         T.barrier_arrive(w.max_ready[1])
         softmax(w)
-        T.copy(w.acc_s, w.p_s)
+        T.copy(w.acc_s, w.p)
+        T.copy(w.p, w.p_s)
         T.fence_proxy_async()
         T.barrier_arrive(w.p_ready[1])
-        T.copy(w.acc_s, w.p)
         # both PV GEMMs in flight back to back; the next block's mask while they run
         T.gemm(w.p, w.kv[1][0:BI, DH:D], w.acc_o, policy=T.GemmWarpPolicy.FullRow,
                annotations={"wg_wait": -1})
