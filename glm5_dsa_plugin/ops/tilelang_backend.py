@@ -275,15 +275,15 @@ class TileLangBackend:
         # the warp-specialised forward (``sparse_mla_fwd_ws_kernel``: gathers in flight while two
         # MMA warpgroups split each pair of blocks evenly, one launch whose loop stops at each row's
         # last block) for every 64-row tile (>= 64 heads per kv group, and row groups); False: the
-        # single-warpgroup kernel. Same run (v13): the backend's forward at W1 H64 2.60 vs 3.78 ms;
-        # through the op W2 H64 2.26 vs 4.09, row groups W2 H8 1.12 vs 1.33, H16 1.75 vs 1.55 (a
+        # single-warpgroup kernel. Same run (v17b): the backend's forward at W1 H64 2.29 vs 3.79 ms;
+        # through the op W2 H64 2.30 vs 4.24, row groups W2 H8 1.18 vs 1.50, H16 1.24 vs 2.09 (a
         # forward-only call at small H is mostly host time; fwd+bwd below)
         self.fwd_warp_specialized = fwd_warp_specialized
         # the warp-specialised backward (``sparse_mla_bwd_ws_kernel``: a third warpgroup gathers the
         # next block and drains the dKV atomics while the MMAs run) for every 64-row tile with
-        # atomic dKV; False: ``sparse_mla_bwd_kernel``. Backward through the backend, same run (v13):
-        # W1 H64 12.81 vs 15.85 ms; whole op fwd+bwd against both kernels single-warpgroup (v13):
-        # W2 H64 12.84 vs 16.73, H16 (row groups) 4.91 vs 6.21, H8 2.80 vs 3.61
+        # atomic dKV; False: ``sparse_mla_bwd_kernel``. Backward through the backend, same run (v17b):
+        # W1 H64 10.61 vs 15.89 ms; whole op fwd+bwd against both kernels single-warpgroup (v17b):
+        # W2 H64 9.94 vs 15.62, H16 (row groups) 3.53 vs 5.56, H8 2.30 vs 3.00
         self.bwd_warp_specialized = bwd_warp_specialized
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
