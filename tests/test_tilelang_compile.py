@@ -157,7 +157,9 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
         assert r.count("wgmma_rs<") == 1 and r.count("wgmma_ss<") == 3 and r.count("64, 64, 16") == 2
     assert "wait_wgmma<1>" not in roles[0]
     # warpgroup 1's P0 V0: A at byte offset d_v * 64 * 2 of buffer 0 (its rope-tail columns)
-    assert re.search(r"initialize_wgmma_descriptor<1, 1, 64>\(desc_a_\d+, \(\(void\*\)\(\(char\*\)\(&\(\(\(bfloat16_t\*\)kv\w*\)\[0\]\)\) \+ 65536\)\)\)", roles[1])
+    rope_tail_a = (r"initialize_wgmma_descriptor<1, 1, 64>\(desc_a_\d+, "
+                   r"\(\(void\*\)\(\(char\*\)\(&\(\(\(bfloat16_t\*\)kv\w*\)\[0\]\)\) \+ 65536\)\)\)")
+    assert re.search(rope_tail_a, roles[1])
     assert ("Members" in src) == (R > 1)
 
 

@@ -378,14 +378,15 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     publishes P1 (p_s) and runs P1 V1; warpgroup 0, while its P0 V0 runs, rescales P0 to the
     final max and publishes it in buffer 0's rope-tail columns (dead once its scores are done: a
     second P buffer without shared memory), then rescales its out and runs P1 V1, which is still
-    running under the first half of its next score GEMM; warpgroup 1 runs P0 V0. A part is freed when its last reader is done:
-    buffer 0's left part after warpgroup 0's P0 V0, so the next gather starts mid-pair. Row sums
-    stay per warpgroup and are added at the end. Rows run last first (R = 1; row groups did
-    already): under a causal mask the last rows hold the longest key lists. The loop runs the
-    row's (group's) own blocks, a dynamic count, in pairs; the second block of an odd last pair
-    gathers the block min(nb, NI - 1) again (in bounds) and is fully masked. (Session 15, exp28 /
-    exp29: 10-16% faster than the exchanged max with one P buffer and whole-buffer barriers;
-    exp31: publishing P0 during P0 V0, 5% at H16 R4, within noise elsewhere.)"""
+    running under the first half of its next score GEMM; warpgroup 1 runs P0 V0. A part is freed
+    when its last reader is done: buffer 0's left part after warpgroup 0's P0 V0, so the next
+    gather starts mid-pair. Row sums stay per warpgroup and are added at the end. Rows run last
+    first (R = 1; row groups did already): under a causal mask the last rows hold the longest key
+    lists. The loop runs the row's (group's) own blocks, a dynamic count, in pairs; the second
+    block of an odd last pair gathers the block min(nb, NI - 1) again (in bounds) and is fully
+    masked. (Session 15, exp28 / exp29: 10-16% faster than the exchanged max with one P buffer
+    and whole-buffer barriers; exp31: publishing P0 during P0 V0, 5% at H16 R4, within noise
+    elsewhere.)"""
     R = rows_per_block
     assert heads % kv_group == 0 and topk % BLOCK_TOPK == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
