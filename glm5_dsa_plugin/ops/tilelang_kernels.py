@@ -494,15 +494,22 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             w.acc_o[h, d] = w.acc_o[h, d] * w.alpha[h]
 
     @T.macro
+    def fold_max(w, c):
+        # the running max := max(the max so far, this block's max in m_blk), published in
+        # max_s[c]: warpgroup 0 folds into its own running max (the previous pair's final max),
+        # warpgroup 1 into warpgroup 0's just published one, which makes its result the pair's
+        for h in T.Parallel(h_blk):
+            w.m_blk[h] = T.max(w.m[h] if c == 0 else w.max_s[0, h], w.m_blk[h])
+            w.alpha[h] = T.exp2((w.m[h] - w.m_blk[h]) * scale2)
+            w.m[h] = w.m_blk[h]
+            w.max_s[c, h] = w.m_blk[h]
+        T.barrier_arrive(w.max_ready[c])
+
+    @T.macro
     def pair0(w, i):
         scores(w, 0, i)
         T.reduce_max(w.acc_s, w.m_blk, dim=1, clear=True)
-        for h in T.Parallel(h_blk):
-            w.m_blk[h] = T.max(w.m[h], w.m_blk[h])
-            w.alpha[h] = T.exp2((w.m[h] - w.m_blk[h]) * scale2)
-            w.m[h] = w.m_blk[h]
-            w.max_s[0, h] = w.m_blk[h]
-        T.barrier_arrive(w.max_ready[0])
+        fold_max(w, 0)
         softmax(w)
         T.copy(w.acc_s, w.p)
         T.gemm(w.p, w.kv[0][0:BI, 0:DH], w.acc_o, policy=T.GemmWarpPolicy.FullRow,
@@ -534,12 +541,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         scores(w, 1, i)
         T.reduce_max(w.acc_s, w.m_blk, dim=1, clear=True)
         T.barrier_wait(w.max_ready[0], i & 1)
-        for h in T.Parallel(h_blk):
-            w.m_blk[h] = T.max(w.max_s[0, h], w.m_blk[h])
-            w.alpha[h] = T.exp2((w.m[h] - w.m_blk[h]) * scale2)
-            w.m[h] = w.m_blk[h]
-            w.max_s[1, h] = w.m_blk[h]
-        T.barrier_arrive(w.max_ready[1])
+        fold_max(w, 1)
         softmax(w)
         T.copy(w.acc_s, w.p)
         T.copy(w.p, w.p_s)
