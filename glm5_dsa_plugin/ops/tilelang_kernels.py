@@ -422,23 +422,23 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                                T.access_ptr(w.KV[w.b, key, w.g, u * 64 + c], "r", 8), 8)
         T.cp_async_barrier_noinc(full)
 
+    def q_row(w, h):
+        # query row and head of tile row h; R > 1: rows past the sequence read the last row (their
+        # slots are all masked and their outputs never stored)
+        if R == 1:
+            return w.s, w.h0 + h
+        return T.min(w.s * R + h // hg, w.S - 1), w.h0 + h % hg
+
     @T.macro
     def load_q(w):
-        # the Q tile by cp.async, laid out like a kv block; R > 1: rows past the sequence read the
-        # last row (their slots are all masked and their outputs never stored)
+        # the Q tile by cp.async, laid out like a kv block
         tp = w.tx - 256
         for rr in T.serial(h_blk // 16):
             h = rr * 16 + tp // 8
             c = tp % 8 * 8
-            if R == 1:
-                for u in T.unroll(UA):
-                    T.ptx_cp_async(T.access_ptr(w.q_s[h, u * 64 + c], "w", 8),
-                                   T.access_ptr(w.Q[w.b, w.s, w.h0 + h, u * 64 + c], "r", 8), 8)
-            else:
-                for u in T.unroll(UA):
-                    T.ptx_cp_async(T.access_ptr(w.q_s[h, u * 64 + c], "w", 8),
-                                   T.access_ptr(w.Q[w.b, T.min(w.s * R + h // hg, w.S - 1), w.h0 + h % hg, u * 64 + c],
-                                                "r", 8), 8)
+            for u in T.unroll(UA):
+                T.ptx_cp_async(T.access_ptr(w.q_s[h, u * 64 + c], "w", 8),
+                               T.access_ptr(w.Q[(w.b, *q_row(w, h), u * 64 + c)], "r", 8), 8)
         T.cp_async_barrier_noinc(w.q_full)
 
     @T.macro
@@ -454,30 +454,29 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             w.acc_s[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
 
     @T.macro
+    def score_part(w, c, part, i):
+        # acc_s += Q K^T over column part `part` (0: [0, d_v / 2), 1: the rest) of buffer c, once
+        # it has landed; not waited for
+        lo, hi = (0, DH) if part == 0 else (DH, D + DT)
+        kv = w.kv[c]
+        T.barrier_wait(w.full[c][part], i & 1)
+        T.gemm(w.q_s[0:h_blk, lo:hi], kv[0:BI, lo:hi], w.acc_s, transpose_B=True,
+               policy=T.GemmWarpPolicy.FullRow, annotations={"wg_wait": -1})
+
+    @T.macro
     def scores(w, c, i):
         # warpgroup c: acc_s (masked by mask_block at the end of the previous pair) += Q K^T of
         # block 2i + c, its buffer's parts in the order they are freed (warpgroup 0: left first;
         # warpgroup 1: right first). Warpgroup 0's P1 V1 of the previous pair is still running
         # under the first half: buffer 1's left part is free once both are done. (Waiting for
         # that PV alone, wait_wgmma(1), makes ptxas serialise every wgmma of the kernel: C7514.)
-        kv = w.kv[c]
+        first, second = (0, 1) if c == 0 else (1, 0)
+        score_part(w, c, first, i)
         if c == 0:
-            T.barrier_wait(w.full[0][0], i & 1)
-            T.gemm(w.q_s[0:h_blk, 0:DH], kv[0:BI, 0:DH], w.acc_s, transpose_B=True,
-                   policy=T.GemmWarpPolicy.FullRow, annotations={"wg_wait": -1})
             T.wait_wgmma(0)
             if i > 0:
                 T.barrier_arrive(w.free[1][0])
-            T.barrier_wait(w.full[0][1], i & 1)
-            T.gemm(w.q_s[0:h_blk, DH:D + DT], kv[0:BI, DH:D + DT], w.acc_s, transpose_B=True,
-                   policy=T.GemmWarpPolicy.FullRow, annotations={"wg_wait": -1})
-        else:
-            T.barrier_wait(w.full[1][1], i & 1)
-            T.gemm(w.q_s[0:h_blk, DH:D + DT], kv[0:BI, DH:D + DT], w.acc_s, transpose_B=True,
-                   policy=T.GemmWarpPolicy.FullRow, annotations={"wg_wait": -1})
-            T.barrier_wait(w.full[1][0], i & 1)
-            T.gemm(w.q_s[0:h_blk, 0:DH], kv[0:BI, 0:DH], w.acc_s, transpose_B=True,
-                   policy=T.GemmWarpPolicy.FullRow, annotations={"wg_wait": -1})
+        score_part(w, c, second, i)
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(w.acc_s, num_regs=h_blk * BI // 128)
 
