@@ -134,8 +134,9 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
     column parts (each part has its own full / free mbarriers), runs one PV GEMM from registers
     (its own P) and one from shared memory (the other warpgroup's), the latter for warpgroup 1
     from buffer 0's rope-tail columns; warpgroup 0 never waits for part of its wgmma groups
-    (a partial wait under its overlapped PV made ptxas serialise every wgmma, session 15); the
-    setmaxnreg counts fit the 3 x 168 registers per thread given at launch."""
+    (a partial wait under its overlapped PV made ptxas serialise every wgmma, session 15); one row
+    per block stores out from the dead Q tile in 16-byte stores, row groups from the fragment;
+    the setmaxnreg counts fit the 3 x 168 registers per thread given at launch."""
     import re
 
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_ws_kernel
@@ -161,6 +162,9 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
                    r"\(\(void\*\)\(\(char\*\)\(&\(\(\(bfloat16_t\*\)kv\w*\)\[0\]\)\) \+ 65536\)\)\)")
     assert re.search(rope_tail_a, roles[1])
     assert ("Members" in src) == (R > 1)
+    for r in roles[:2]:
+        staged = re.findall(r"\*\(uint4\*\)\(Out \+ .*= \*\(uint4\*\)\(\(\(bfloat16_t\*\)q_s\)", r)
+        assert len(staged) == (R == 1) and ("*(uint1*)(Out + " in r) == (R > 1)
 
 
 @pytest.mark.parametrize("heads,R", [(64, 1), (128, 1), (8, 8), (16, 4), (32, 2)])
