@@ -234,19 +234,25 @@ def record_gpu_idle(extra, step, head, tail=""):
 
 
 def write_host_profile(q, kv, idx, g, path, calls=50):
-    """cProfile of `calls` tiny fwd+bwd calls (host time: what a host sync exposes)."""
+    """cProfile of `calls` tiny no-grad forwards (flags read eagerly) and `calls` tiny fwd+bwd
+    calls, each sorted by cumulative and by own time (host time: what a host sync exposes)."""
     import cProfile
     import io
     import pstats
 
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        sparse_mla(q, kv, idx, SCALE, backend="tilelang")[0].backward(g)
-    torch.cuda.synchronize()
-    prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    for label, fn in (("no-grad forward", lambda: sparse_mla(q.detach(), kv.detach(), idx, SCALE, backend="tilelang")),
+                      ("fwd+bwd", lambda: sparse_mla(q, kv, idx, SCALE, backend="tilelang")[0].backward(g))):
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        prof.disable()
+        buf.write(f"===== {calls} tiny {label} calls\n")
+        for order, n in (("cumulative", 60), ("tottime", 30)):
+            pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(n)
     with open(path, "w") as f:
         f.write(buf.getvalue())
 
