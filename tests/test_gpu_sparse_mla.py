@@ -424,18 +424,21 @@ def test_forward_plan_auto_for_64_row_tiles():
 
 def test_row_groups_auto_follows_key_sharing():
     """``row_groups="auto"`` (default), 16 heads: causal ragged rows (neighbours share most keys)
-    stay on row groups; random keys over a wide range (little sharing) switch to one-row blocks
-    once the first call's counts are in. Every call equals the reference (the choice never
-    changes a result beyond rounding)."""
+    and random keys over a wide range (little sharing) stay on row groups; rows whose groups share
+    no key at all switch to one-row blocks once the first call's counts are in (ENTRY_COST = 1).
+    Every call equals the reference (the choice never changes a result beyond rounding)."""
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, H, K = 512, 16, 256
     q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(T, device="cuda")[:, None]
+    disjoint = ((rows % 32) * K + torch.arange(K, device="cuda")[None, :]).int()  # 4 rows of a group: no key shared
     for T_kv, idx, want_groups in ((T, w2_indices(T, K, gen)[None], True),
                                    (8192, torch.rand(T, 8192, generator=gen, device="cuda").topk(K).indices
-                                    .int()[None, :, None], False)):
+                                    .int()[None, :, None], True),
+                                   (8192, disjoint[None, :, None], False)):
         kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
         be = TileLangBackend()
         r_out, _ = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
@@ -446,6 +449,27 @@ def test_row_groups_auto_follows_key_sharing():
             dq, dkv = be.backward_saved(q, saved, out, lse, g, SCALE, 512)
             assert rel_l2(out, r_out) <= 3e-3 and rel_l2(dq, r_dq) <= 3e-3 and rel_l2(dkv, r_dkv) <= 3e-3
             torch.cuda.synchronize()  # the counts arrive
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_group_keys_on_the_gpu_equal_the_row_by_row_build(R):
+    """The key lists built on the GPU (threads running concurrently, which the interpreter's CPU
+    test cannot show) equal the row-by-row build entry for entry: random distinct keys over a long
+    context (a group's bit table is hundreds of words), several calls, and one group per batch.
+    (Session 16: R = 2's table pass raced with its own clearing of the table, and 3-6 of 128
+    groups per call lost entries or member bits.)"""
+    from glm5_dsa_plugin.ops.row_groups import group_keys, group_keys_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    T, T_kv = 256, 8192
+    for K in (128, 512):
+        idx = torch.rand(T, T_kv, generator=gen, device="cuda").topk(K).indices.int()[None, :, None]
+        want = group_keys_reference(idx.cpu(), T_kv, R)
+        for table_words in (1 << 26, 1 << 26, 1 << 26, 1):
+            got = group_keys(idx, T_kv, R, table_words=table_words)
+            for name, a, b in zip(("keys", "members", "extent"), got, want):
+                bad = (a.cpu() != b).flatten(2).any(-1).nonzero().tolist()
+                assert not bad, f"R={R} K={K} table_words={table_words}: {name} differs in groups {bad[:8]}"
 
 
 @pytest.mark.parametrize("H", [8, 32])

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-# int32 words of bit table per batch of groups (256 MiB); each batch reuses the same zeroed table
+# int32 words of bit table per batch of groups (256 MiB); each further batch zeroes it again
 TABLE_WORDS = 1 << 26
 
 
@@ -60,7 +60,9 @@ def _read_table(table, repeats, n_repeats, keys, members, extent, g0, n_kv, n_wo
                 BLOCK: tl.constexpr):
     """One program per group of this batch: the table's set bits in key order -> entries (key,
     member bits), then the repeats (one entry each, sorted by (key, row); RKP = RK rounded up to a
-    power of two), then n_kv / 0 to R * K; clears the table."""
+    power of two), then n_kv / 0 to R * K. Reads the table only: clearing it here raced (R = 2:
+    WORDS = 128 words over 256 threads, each word held by two threads, and one thread's zero
+    store could land before the other's load; lists lost entries or member bits)."""
     pid = tl.program_id(0)
     gid = (g0 + pid).to(tl.int64)
     tbase = pid.to(tl.int64) * n_words
@@ -70,7 +72,6 @@ def _read_table(table, repeats, n_repeats, keys, members, extent, g0, n_kv, n_wo
     while start < n_words:  # (a while loop: the interpreter cannot range() over a runtime bound)
         w_off = start + tl.arange(0, WORDS)
         w = tl.load(table + tbase + w_off, mask=w_off < n_words, other=0)
-        tl.store(table + tbase + w_off, tl.zeros([WORDS], tl.int32), mask=w_off < n_words)
         bits = tl.reshape((w[:, None] >> (sub[None, :] * R)) & ((1 << R) - 1), [WORDS * KPW])
         key = tl.reshape(w_off[:, None] * KPW + sub[None, :], [WORDS * KPW])
         new = bits != 0
@@ -109,7 +110,7 @@ def group_keys(idx: torch.Tensor, n_kv: int, rows_per_group: int, table_words: i
     * extent [B, NG, G] int32: the number of entries.
 
     Rows past T (the last group) hold only padding. Two Triton launches per batch of groups (a
-    batch's bit table fits ``table_words``); no host sync.
+    batch's bit table fits ``table_words``; batches after the first zero it again); no host sync.
     """
     R = rows_per_group
     if R not in (2, 4, 8):
@@ -131,6 +132,8 @@ def group_keys(idx: torch.Tensor, n_kv: int, rows_per_group: int, table_words: i
     n_repeats = torch.empty(batch, dtype=torch.int32, device=idx.device)
     for g0 in range(0, n_groups, batch):
         size = min(batch, n_groups - g0)
+        if g0:
+            table.zero_()
         n_repeats.zero_()
         _mark_keys[(size, triton.cdiv(R * K, 1024))](idx, table, repeats, n_repeats, g0, T, NG, G, n_kv, n_words,
                                                       K=K, R=R, KPW=kpw, BLOCK=1024, num_warps=4)

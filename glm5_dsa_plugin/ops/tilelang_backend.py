@@ -188,16 +188,18 @@ class _BlockCountsOfLastCall(_CountsOfLastCall):
 
 
 # fwd+bwd cost of one row-group entry (64-row tile over R rows' union) relative to one slot of a
-# one-row block: 1.5-1.7 at W1/W2, H8/H16 (benchmarks/results/2026-11-29_h200_v8b_row_groups.json)
-ENTRY_COST = 1.6
+# one-row block: 1.5-1.7 in session 6 (v8b), 0.62-1.00 since both row-group kernels are
+# warp-specialised (session 16, exp33: H8 / H16 / H32 at W1, W2 and random keys over 32k; 1.00 at
+# W2, whose groups share the most keys). With 1.0 one-row blocks run only rows that share no key.
+ENTRY_COST = 1.0
 REPROBE_CALLS = 64  # a shape that chose one-row blocks builds the group lists again this often
 
 
 class _RowGroupChoice(_CountsOfLastCall):
     """``row_groups="auto"``: row groups for a shape while its last counted call had
     ENTRY_COST * (group entries) < (slots the one-row kernels run, the rows' extents); rows
-    sharing few keys (e.g. random keys over a long context) run one row per block. A shape on
-    one-row blocks is counted again every REPROBE_CALLS calls (building the lists once more)."""
+    sharing no keys run one row per block. A shape on one-row blocks is counted again every
+    REPROBE_CALLS calls (building the lists once more)."""
 
     def __init__(self):
         super().__init__(2, torch.int64)
