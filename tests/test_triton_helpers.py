@@ -201,8 +201,9 @@ def test_forward_launch_plans():
 def test_row_group_geometry_and_choice():
     """Row groups: R = 64 / hg_pad rows per block for hg < 64 (hg padded to 8, 16, 32), one row
     per block otherwise, when off, in deterministic mode or without the fixes. "auto" keeps row
-    groups while 1.6 x entries < slots, switches to one-row blocks otherwise, and counts a
-    one-row shape again every REPROBE_CALLS calls."""
+    groups while ENTRY_COST x entries < slots (also where rows share few keys: W1-like counts),
+    switches to one-row blocks otherwise (rows sharing no key), and counts a one-row shape again
+    every REPROBE_CALLS calls."""
     import pytest
 
     from glm5_dsa_plugin.ops.tilelang_backend import REPROBE_CALLS, TileLangBackend, _RowGroupChoice
@@ -219,7 +220,9 @@ def test_row_group_geometry_and_choice():
     arrivals = iter([None, [100, 1000], None])  # counts of W2-like sharing arrive on the 2nd call
     choice.arrived = lambda: next(arrivals, None)
     assert [choice.choose() for _ in range(3)] == [(True, True)] * 3
-    arrivals = iter([[700, 1000]])  # W1-like: 1.6 x 700 > 1000
+    arrivals = iter([[700, 1000]])  # W1-like: groups (exp33: an entry costs 0.62-1.00 slots)
+    assert choice.choose() == (True, True)
+    arrivals = iter([[1000, 1000]])  # no key shared: one entry per slot
     assert choice.choose() == (False, False)  # the first of REPROBE_CALLS one-row calls
     calls = [choice.choose() for _ in range(REPROBE_CALLS - 1)]
     assert calls[-1] == (False, True) and all(c == (False, False) for c in calls[:-1])
