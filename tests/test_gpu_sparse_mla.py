@@ -434,7 +434,8 @@ def test_row_groups_auto_follows_key_sharing():
     q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     rows = torch.arange(T, device="cuda")[:, None]
-    disjoint = ((rows % 32) * K + torch.arange(K, device="cuda")[None, :]).int()  # 4 rows of a group: no key shared
+    # row t reads keys [(t % 32) * K, (t % 32 + 1) * K): the 4 rows of a group share no key
+    disjoint = ((rows % 32) * K + torch.arange(K, device="cuda")[None, :]).int()
     for T_kv, idx, want_groups in ((T, w2_indices(T, K, gen)[None], True),
                                    (8192, torch.rand(T, 8192, generator=gen, device="cuda").topk(K).indices
                                     .int()[None, :, None], True),

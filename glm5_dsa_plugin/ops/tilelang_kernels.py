@@ -384,9 +384,10 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     first (R = 1; row groups did already): under a causal mask the last rows hold the longest key
     lists. R = 1 stores out through the dead Q tile, coalesced. The loop runs the row's (group's)
     own blocks, a dynamic count, in pairs; the second block of an odd last pair gathers the block
-    min(nb, NI - 1) again (in bounds) and is fully masked. (Session 15, exp28 / exp29: 10-16% faster than the exchanged max with one P buffer
-    and whole-buffer barriers; exp31: publishing P0 during P0 V0, 5% at H16 R4, within noise
-    elsewhere.)"""
+    min(nb, NI - 1) again (in bounds) and is fully masked. (Session 15, exp28 / exp29: 10-16%
+    faster than the exchanged max with one P buffer and whole-buffer barriers; exp31: publishing
+    P0 during P0 V0, 5% at H16 R4, within noise elsewhere; session 16, exp32: the staged store,
+    4% at W1.)"""
     R = rows_per_block
     assert heads % kv_group == 0 and topk % BLOCK_TOPK == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
