@@ -2,7 +2,8 @@
 # Everything the H200 proves, in two device calls (~10 min on a fresh machine; files land in $OUT):
 #   pytest_gpu.log (all GPU tests, doctor's self-check included), bench_sparse_mla.json/.png,
 #   host_profile.txt; with LAUNCHERS=1 also launcher_{lora,ppo,mtp}.jsonl + launcher_summary.json;
-#   with VARIANTS=1 checks.log (forward variants: rows vs reference + timing). PYTEST=0 / BENCH=0
+#   with VARIANTS=1 checks.log (forward variants: rows vs reference + timing); with SWEEP=1
+#   gpu_correctness_sweep.json (every head layout and context against the reference). PYTEST=0 / BENCH=0
 #   skip those parts (a device call is limited to 10 min: pytest ~5, bench ~4.5, variants ~2.5, so
 #   pytest and the bench go in separate calls: PYTEST=1 BENCH=0, then PYTEST=0).
 # Usage on the device machine (after unpacking the bundle, see README):  bash scripts/gpu_check_all.sh
@@ -15,6 +16,9 @@ if [ "${PYTEST:-1}" = 1 ]; then
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   timeout 300 python3 scripts/bench_sparse_mla.py --reference W1:64 --host-profile --out "$OUT" 2>&1 | grep -v INFO | tail -40
+fi
+if [ "${SWEEP:-0}" = 1 ]; then
+  timeout 300 python3 scripts/gpu_correctness_sweep.py --out "$OUT" 2>&1 | grep -v INFO | grep -E "^FAIL|within" | tail -20
 fi
 if [ "${LAUNCHERS:-0}" = 1 ]; then
   timeout 120 python3 scripts/gpu_launcher_proof.py --out "$OUT" 2>&1 | grep -E "^(lora|ppo|mtp) "
