@@ -48,6 +48,11 @@ for trial in range(12):
     assert torch.all(got[0][pos >= e] == n_kv) and torch.all(got[1][pos >= e] == 0), trial
     # one fixed order, repeats included (sorted by (key, row)): the kernels' sums are reproducible
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
+# long contexts: a group's table spans several passes of the table read (2048 keys per pass)
+for R, n_kv, K in ((2, 5000, 200), (8, 3000, 150)):
+    idx = torch.stack([torch.randperm(n_kv, generator=g)[:K] for _ in range(2 * R)]).view(1, 2 * R, 1, K).int()
+    got, want = group_keys(idx, n_kv, R), group_keys_reference(idx, n_kv, R)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), (R, n_kv)
 print("OK")
 """
 
@@ -55,6 +60,7 @@ print("OK")
 def test_group_keys_triton_passes_in_interpreter():
     """The bit-table passes (CUDA in production) in the interpreter, against the row-by-row build:
     the same lists entry for entry (distinct keys ascending, then the repeats sorted by (key, row),
-    though the atomics append them in any order), a clean tail, and batches of groups sharing one
-    table."""
+    though the atomics append them in any order), a clean tail, batches of groups sharing one
+    table, and tables longer than one pass of the read (the interpreter runs one thread: races
+    between threads show only on the GPU, see test_gpu_sparse_mla)."""
     run_interpreted(INTERPRETED)
