@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_sparse_mla import D_V, SCALE, rel  # noqa: E402  (the bench's scale, width and rel L2)
 from glm5_dsa_plugin.ops import reference as ref  # noqa: E402
 from glm5_dsa_plugin.ops.workloads import w1_indices, w2_indices  # noqa: E402
 
-SCALE = 256**-0.5
-D_V = 512
 REL_BOUND, LSE_BOUND = 3e-3, 1e-3
 HEAD_LAYOUTS = [(8, 1), (16, 1), (24, 1), (32, 1), (48, 1), (64, 1), (128, 1), (32, 2), (64, 2)]  # (H, G)
 CONTEXTS = ("random_long", "random_short", "causal", "padded")
@@ -43,10 +43,6 @@ def make_indices(context: str, T: int, topk: int, G: int, gen: torch.Generator) 
         idx[torch.rand(idx.shape, generator=gen, device=idx.device) < 0.3] = -1
         idx[:, 5:9] = -1  # empty rows (a whole group of 4 at R = 4)
     return idx.contiguous(), T_kv
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def run_case(case: dict) -> list[dict]:
