@@ -206,6 +206,83 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     assert rel_l2(out, r_out) < 3e-3 and rel_l2(dq, r_dq) < 3e-3 and rel_l2(dkv[:, :T_kv], r_dkv) < 3e-3
 
 
+NONFINITE_PATHS = [
+    (64, {}),  # warp-specialised, one row per block
+    (128, {}),  # two 64-row head blocks
+    (64, dict(fwd_warp_specialized=False, bwd_warp_specialized=False)),  # single-warpgroup kernels
+    (16, dict(row_groups=False)),  # one row per block, 16-row head tiles
+    (8, {}),  # row groups, R = 8
+    (32, {}),  # row groups, R = 2
+    (16, dict(fwd_warp_specialized=False)),  # row groups, R = 4, single-warpgroup forward
+]
+
+
+@pytest.mark.parametrize("H,options", NONFINITE_PATHS)
+def test_nonfinite_inputs_come_out_nonfinite(H, options):
+    """A NaN in a selected kv row, a NaN in q and an inf in q that makes a score +inf come out
+    nonfinite (out, lse, dq) in every (row, head) where the fp32 reference's do, and dkv of the
+    NaN key nonfinite. Until session 17 every forward epilogue tested ``row_sum > 0`` to find
+    empty rows; a NaN row sum failed it, so such rows came out as empty rows (out 0, lse -1e30):
+    finite, and invisible to the guard. A row group may spread a NaN key to the group's other
+    rows (a masked entry is -inf + NaN); nothing else may differ: every other entry is finite
+    and matches the reference."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    T, T_kv, K = 256, 2048, 128
+    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(-1, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
+    idx[0, 9] = -1  # an empty row
+    idx[0, [40, 150], 0, 0] = torch.randperm(T_kv, generator=gen, device="cuda")[:2].to(torch.int32)
+    key = int(idx[0, 40, 0, 0])  # selected by row 40 and, at random, by about 6% of the rows
+    kv[0, key, 0, 10] = float("nan")
+    q[0, 77, H // 2, 100] = float("nan")
+    kv[0, int(idx[0, 150, 0, 0]), 0, 5] = 1.0  # so that q[150, 1, 5] = +inf gives a +inf score
+    q[0, 150, 1, 5] = float("inf")
+    grad = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    be = TileLangBackend(**options)
+    out, lse = be.forward(q, kv, idx, SCALE, 512)
+    dq, dkv = be.backward(q, kv, idx, out, lse, grad, SCALE, 512)
+    r_out, r_lse = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
+    r_dq, _ = ref.backward(q.float(), kv.float(), idx, grad.float(), SCALE, 512)
+    want = ~torch.isfinite(r_out[0]).all(-1) | ~torch.isfinite(r_lse[0])  # [T, H]
+    assert want[40].all() and want[77, H // 2] and want[150, 1] and not want[9].any()
+    got = {"out": ~torch.isfinite(out[0]).all(-1), "lse": ~torch.isfinite(lse[0]), "dq": ~torch.isfinite(dq[0]).all(-1)}
+    R = be.rows_per_block(H)[1]  # consecutive rows per block if this call ran row groups
+    spread = want.any(-1).view(T // R, R).any(-1).repeat_interleave(R)[:, None] if R > 1 else want
+    for name, bad in got.items():
+        assert (bad | ~want).all(), f"{name}: finite where the reference is not: {(want & ~bad).nonzero().tolist()[:5]}"
+        assert not (bad & ~spread).any(), f"{name}: nonfinite outside the rows that read the bad inputs"
+    assert not torch.isfinite(dkv[0, key]).all()
+    ok = ~got["out"]
+    assert rel_l2(out[0][ok], r_out[0][ok]) <= 3e-3
+    torch.testing.assert_close(lse[0][ok], r_lse[0][ok], rtol=1e-4, atol=1e-3)
+    ok = ~got["dq"]
+    assert rel_l2(dq[0][ok], r_dq[0][ok]) <= 3e-3
+
+
+def test_nonfinite_inputs_raise_under_the_guard(tmp_path):
+    """Through the op, ``fallback``: a NaN kv row that rows select is not repairable (the reference
+    is NaN there too), so the call raises FloatingPointError naming its dump, without grad (the
+    eager flag read) and, under autograd, in the backward (the device repair's flags)."""
+    from glm5_dsa_plugin.ops import configure
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    q = torch.randn(128, 64, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(200, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, 200, (128, 1, 128), generator=gen, device="cuda", dtype=torch.int32)
+    kv[int(idx[5, 0, 0]), 0, 0] = float("nan")
+    configure(policy="fallback", dump_dir=str(tmp_path), dump_every=1)
+    try:
+        with torch.no_grad(), pytest.raises(FloatingPointError, match="inputs are bad"):
+            sparse_mla(q, kv, idx, SCALE, backend="tilelang")
+        qq = q.clone().requires_grad_(True)
+        with pytest.raises(FloatingPointError, match="inputs are bad"):
+            sparse_mla(qq, kv, idx, SCALE, backend="tilelang")[0].float().sum().backward()
+    finally:
+        configure(policy="fallback", dump_dir="glm5_dsa_dumps", dump_every=100)
+
 def test_guard_counts_calls_and_stays_quiet_on_good_output():
     from glm5_dsa_plugin.ops import guard_stats, reset_guard_stats
 

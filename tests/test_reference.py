@@ -124,6 +124,36 @@ def test_padding_slot_never_reads_its_clamped_row():
     assert torch.isfinite(dq).all() and torch.all(dkv[0] == 0) and torch.isfinite(dkv[1:]).all()
 
 
+
+def test_nonfinite_inputs_propagate_to_exactly_the_rows_that_read_them():
+    """A NaN in a selected kv row makes out and lse NaN in every row (all heads of the group) that
+    selects it; a NaN in q makes that row's head NaN; an inf in q that makes a score +inf makes
+    that head nonfinite, its lse too (a +inf row max is not an empty row). Every other row equals
+    the clean run, and an empty row stays out 0 / lse EMPTY_ROW_LSE. The guard relies on this:
+    such inputs must not come out finite. (A score of -inf drops its slot like a masked one, as
+    in torch.softmax; the kernels do the same.)"""
+    gen = torch.Generator().manual_seed(7)
+    T, T_kv, H, G, D, d_v = 6, 8, 4, 2, 12, 8
+    q = torch.randn(1, T, H, D, generator=gen, dtype=torch.float64)
+    kv = torch.randn(1, T_kv, G, D, generator=gen, dtype=torch.float64)
+    kv[0, 1, 0, 0] = 1.0  # so that q[.., 0] = +inf gives key 1 a +inf score in group 0
+    idx = torch.tensor([[0, 1, -1], [2, 3, 4], [5, -1, -1], [-1, -1, -1], [3, 6, 7], [1, 2, 7]], dtype=torch.int32)
+    idx = idx[None, :, None, :].expand(1, T, G, 3).contiguous()
+    out0, lse0 = ref.forward(q, kv, idx, 0.3, d_v)
+    kv_bad = kv.clone()
+    kv_bad[0, 3, 1, 5] = float("nan")  # group 1's key 3: rows 1 and 4 select it
+    q_bad = q.clone()
+    q_bad[0, 2, 0, 7] = float("nan")  # row 2, head 0 (group 0)
+    q_bad[0, 5, 1, 0] = float("inf")  # row 5 (keys 1, 2, 7), head 1 (group 0)
+    out, lse = ref.forward(q_bad, kv_bad, idx, 0.3, d_v)
+    bad = torch.zeros(T, H, dtype=torch.bool)
+    bad[[1, 4], 2:] = True  # group 1 = heads 2, 3
+    bad[2, 0] = bad[5, 1] = True
+    assert (~torch.isfinite(out[0])).any(-1).eq(bad).all(), "out: nonfinite rows"
+    assert (~torch.isfinite(lse[0])).eq(bad).all(), "lse: nonfinite rows"
+    assert torch.equal(out[0][~bad], out0[0][~bad]) and torch.equal(lse[0][~bad], lse0[0][~bad])
+    assert (out[0, 3] == 0).all() and (lse[0, 3] == EMPTY_ROW_LSE).all()
+
 # ---------------------------------------------------------------- bad input
 def _ok(T=4, T_kv=6, H=4, G=2, K=3, D=12, dtype=torch.float32):
     q = torch.randn(T, H, D, dtype=dtype)

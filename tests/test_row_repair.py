@@ -118,6 +118,8 @@ def case(B, T, T_kv, H, G, K, d_v, d_t, dtype):
     flags = torch.zeros(8, dtype=torch.int32); flags[1] = 1
     repair_forward_rows(q2, kv, idx, scale, d_v, out2, lse2, flags)
     assert flags[2] == 1, flags
+    assert torch.isnan(out2[0, 3, 0]).all() and torch.isnan(lse2[0, 3, 0]), "the NaN head: out and lse NaN"
+    assert torch.isfinite(lse2[0, 3, 1:]).all(), "the row's other heads are finite"
 
 case(2, 9, 13, 4, 2, 40, 32, 16, torch.float32)   # G=2, topk not a multiple of the slot step
 case(1, 7, 11, 20, 1, 24, 64, 8, torch.bfloat16)  # 20 heads: two head blocks, one partial

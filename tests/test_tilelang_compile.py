@@ -103,6 +103,27 @@ def test_small_head_forward_has_a_barrier_before_the_p_tile_write(heads):
 
 
 
+@pytest.mark.parametrize("kind,heads,R", [("ws", 64, 1), ("ws", 8, 8), ("classic", 64, 1), ("classic", 16, 4)])
+def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
+    """Every forward epilogue finds empty rows by ``row_sum != 0``: a NaN row sum (NaN / inf among
+    the row's inputs) fails ``0 < row_sum``, which until session 17 turned such rows into empty
+    rows (out 0, lse -1e30), finite and invisible to the guard. The GPU test
+    ``test_nonfinite_inputs_come_out_nonfinite`` checks the values."""
+    import re
+
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
+
+    if kind == "ws":
+        k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
+    else:
+        k = sparse_mla_fwd_kernel(heads, 512, 64, 2048, 1, 256**-0.5, num_stages=1 if R > 1 else 2,
+                                  rows_per_block=R, target=SM90)
+    src = k.get_kernel_source()
+    tests = re.findall(r"\(row_sum\w*\[[^\]]*\] != 0x0p\+0f", src)
+    assert len(tests) == (4 if kind == "ws" else 2), tests  # out and lse, per MMA warpgroup
+    assert not re.search(r"< row_sum|row_sum\w*\[[^\]]*\] >", src)
+
+
 @pytest.mark.parametrize("hg,kv_group", [(8, 1), (16, 1), (32, 1), (8, 2)])
 def test_row_group_kernels_build_and_fit(hg, kv_group):
     """Fewer than 64 heads per group: the backend's row-group kernels (R = 64 / hg rows per block)

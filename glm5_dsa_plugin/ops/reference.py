@@ -41,7 +41,7 @@ def _softmax_parts(q_c, sel, valid, sm_scale):
     s = torch.einsum("gchd,gckd->gchk", q_c, sel) * sm_scale
     s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
-    empty = torch.isinf(m)  # no valid slot in the row: m == -inf
+    empty = m == float("-inf")  # no valid slot in the row (a +inf max is an inf input, not an empty row)
     m = torch.where(empty, torch.zeros_like(m), m)
     e = torch.exp(s - m)
     l = e.sum(dim=-1, keepdim=True)

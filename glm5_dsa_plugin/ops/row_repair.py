@@ -149,8 +149,10 @@ def _scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16: tl.constexpr, PREC: tl.co
 def _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V: tl.constexpr, D_T: tl.constexpr,
              BV: tl.constexpr, BT: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
              BF16: tl.constexpr):
-    """One pass over a row's slots -> (row max [HB], -inf for a row with no valid slot; lse [HB],
-    natural log, 0 for such a row, so that exp(score - lse) is 0 at every slot)."""
+    """One pass over a row's slots -> (empty [HB]: no valid slot; lse [HB], natural log, 0 for an
+    empty row, so that exp(score - lse) is 0 at every slot). Empty means a zero softmax sum, not
+    a -inf max: a row whose scores are all NaN keeps a -inf max (the max ignores NaN) and is not
+    empty; its sum, and so its lse, is NaN."""
     m_i = tl.full([HB], float("-inf"), tl.float32)
     l_i = tl.zeros([HB], tl.float32)
     for s0 in range(0, K, BS):
@@ -160,7 +162,8 @@ def _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V: t
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
         m_i = m_new
-    return m_i, tl.where(m_i == float("-inf"), 0.0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)))
+    empty = l_i == 0
+    return empty, tl.where(empty, 0.0, m_i + tl.log(tl.where(empty, 1.0, l_i)))
 
 
 @triton.jit
@@ -215,8 +218,8 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
         q_t = tl.load(Q + qrow + D_V + ot[None, :], mask=mh[:, None] & mt[None, :], other=0.0)
         do = tl.load(DO + (row * H + h[:, None]) * D_V + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
         # pass 1: row max and softmax denominator per head
-        m_i, lse = _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T, BV, BT, HB, BS,
-                            PREC, BF16)
+        _, lse = _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T, BV, BT, HB, BS,
+                          PREC, BF16)
         # pass 2: Delta = sum_j p_j * dp_j
         delta = tl.zeros([HB], tl.float32)
         for s0 in range(0, K, BS):
@@ -355,8 +358,8 @@ def _repair_forward_rows(Q, KV, IDX, OUT, LSE, BAD_Q, FLAGS, n_rows, T, T_kv, H:
                     qrow = (row * H + h[:, None]) * D
                     q_v = tl.load(Q + qrow + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
                     q_t = tl.load(Q + qrow + D_V + ot[None, :], mask=mh[:, None] & mt[None, :], other=0.0)
-                    m_i, lse = _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T, BV, BT,
-                                        HB, BS, PREC, BF16)
+                    empty, lse = _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T,
+                                          BV, BT, HB, BS, PREC, BF16)
                     o = tl.zeros([HB, BV], tl.float32)
                     for s0 in range(0, K, BS):
                         valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV,
@@ -364,7 +367,7 @@ def _repair_forward_rows(Q, KV, IDX, OUT, LSE, BAD_Q, FLAGS, n_rows, T, T_kv, H:
                         p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - lse[:, None])
                         o += _mm(p, k_v, BF16, PREC)
                     x = o.to(OUT.dtype.element_ty)  # a row with no valid slot: p == 0, out exactly 0
-                    lse = tl.where(m_i == float("-inf"), EMPTY_LSE, lse)
+                    lse = tl.where(empty, EMPTY_LSE, lse)
                     tl.store(OUT + (row * H + h[:, None]) * D_V + ov[None, :], x, mask=mh[:, None] & mv[None, :])
                     tl.store(LSE + row * H + h, lse, mask=mh)
                     if tl.maximum(tl.max(_has_nonfinite(x)), _has_nonfinite(lse)) > 0:

@@ -145,11 +145,13 @@ def gather_row(idx, n_rows, select):
 @T.macro
 def _finish_rows(acc_o, row_sum, m, scale2, h_blk, width):
     """Forward epilogue on a tile (safe mode): acc_o [h_blk, width] /= row_sum and row_sum becomes
-    the natural lse; empty rows (row_sum == 0) get out 0 and lse EMPTY_ROW_LSE."""
+    the natural lse; empty rows (row_sum == 0) get out 0 and lse EMPTY_ROW_LSE. The test is
+    ``!= 0``: a NaN row sum (NaN or inf among the row's inputs) fails ``> 0``, which made such
+    rows empty rows, zeros the guard cannot see; with ``!= 0`` they stay NaN."""
     for h, d in T.Parallel(h_blk, width):
-        acc_o[h, d] = T.if_then_else(row_sum[h] > 0, acc_o[h, d] / row_sum[h], 0)
+        acc_o[h, d] = T.if_then_else(row_sum[h] != 0, acc_o[h, d] / row_sum[h], 0)
     for h in T.Parallel(h_blk):
-        row_sum[h] = T.if_then_else(row_sum[h] > 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2, EMPTY_ROW_LSE)
+        row_sum[h] = T.if_then_else(row_sum[h] != 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2, EMPTY_ROW_LSE)
 
 
 @T.macro
@@ -332,12 +334,13 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                 # macros TileLang 0.1.15 assigns this kernel's reduction workspaces to other shared
                 # memory slots (seen in the generated CUDA), a layout never run on the GPU
                 if safe:
-                    # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE
+                    # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE; a NaN row sum stays NaN
+                    # (``!= 0``, as in _finish_rows)
                     for h, d in T.Parallel(h_blk, D):
-                        acc_o[h, d] = T.if_then_else(row_sum[h] > 0, acc_o[h, d] / row_sum[h], 0)
+                        acc_o[h, d] = T.if_then_else(row_sum[h] != 0, acc_o[h, d] / row_sum[h], 0)
                     for h in T.Parallel(h_blk):
                         row_sum[h] = T.if_then_else(
-                            row_sum[h] > 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2, EMPTY_ROW_LSE
+                            row_sum[h] != 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2, EMPTY_ROW_LSE
                         )
                 else:
                     for h, d in T.Parallel(h_blk, D):
