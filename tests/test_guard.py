@@ -129,12 +129,17 @@ def test_off_policy_passes_nan_through(faulty):
 
 
 def test_bad_inputs_are_not_hidden(faulty):
+    """A nonfinite input cannot be repaired: the call raises (loud, not silent) and does not warn
+    first that it repaired the rows (until session 17 it did)."""
     q, kv, idx, _ = _inputs()
     with torch.no_grad():
-        q[0, 2, 1, 0] = NAN  # a nonfinite input cannot be repaired: loud, not silent
-    with pytest.raises(FloatingPointError, match="inputs are bad"):
-        with pytest.warns(RuntimeWarning):
+        q[0, 2, 1, 0] = NAN
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with pytest.raises(FloatingPointError, match="inputs are bad"):
             sparse_mla(q, kv, idx, 0.4, d_v=8, backend="faulty")
+    assert not [x for x in w if "repaired" in str(x.message)]
+    assert guard_stats()["events"] == 1 and guard_stats()["rows_repaired"] == 0
 
 
 def test_dump_every_n(faulty, tmp_path):

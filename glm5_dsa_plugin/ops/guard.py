@@ -168,6 +168,9 @@ def _dump(kind: str, backend_name: str, inputs: dict, bad: dict | None, extra: d
 
 
 def _event(kind: str, backend, inputs: dict, bad, n_rows: int, extra: dict | None = None) -> str | None:
+    """Count and dump an event (``raise``: raise here) -> the dump's path. The caller warns with
+    ``_warn_repaired`` once the repair is known to be finite: a repair that stays nonfinite
+    raises instead, and a warning saying "repaired" before that error would be wrong."""
     _stats.events += 1
     path = _dump(kind, backend.name, inputs, bad, extra)
     if _cfg.policy == "raise":
@@ -175,6 +178,12 @@ def _event(kind: str, backend, inputs: dict, bad, n_rows: int, extra: dict | Non
             f"sparse_mla {kind} ({backend.name}) produced nonfinite values in {n_rows} row(s); "
             f"inputs dumped to {path or (_stats.dumps[-1] if _stats.dumps else 'nowhere (dump_every)')}"
         )
+    return path
+
+
+def _warn_repaired(kind: str, backend, n_rows: int, path: str | None, stacklevel: int) -> None:
+    """The first repaired event's warning (later ones are only counted); ``stacklevel`` as the
+    caller would pass it to ``warnings.warn``."""
     if not _cfg.warned:
         _cfg.warned = True
         warnings.warn(
@@ -182,9 +191,8 @@ def _event(kind: str, backend, inputs: dict, bad, n_rows: int, extra: dict | Non
             f"row-wise with the reference (GLM5_DSA_NONFINITE=fallback). Dump: {path}. Further events are "
             f"counted in glm5_dsa_plugin.ops.guard_stats() without warning.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=stacklevel + 1,
         )
-    return path
 
 
 def _flag_nonfinite(flags: torch.Tensor, slot: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
@@ -336,6 +344,7 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
         out[b, r], lse[b, r] = o_r[0], l_r[0]
     if not _all_finite(out, lse):
         raise FloatingPointError(f"sparse_mla forward is nonfinite even in the reference: inputs are bad (dump: {path})")
+    _warn_repaired("forward", backend, rows.shape[0], path, stacklevel=3)
     _stats.rows_repaired += rows.shape[0]
     return out, lse, saved, None
 
@@ -375,7 +384,9 @@ def _device_repair_event(kind: str, backend, inputs: dict, recompute_bad, n_rows
     repaired in place, so ``recompute_bad`` rebuilds them for the dump); raise if the repair itself
     stayed nonfinite (``still_bad``: the inputs are bad)."""
     path = _event(kind, backend, inputs, recompute_bad, n_rows, extra={"bad_outputs_recomputed": True})
-    if still_bad:
+    if not still_bad:
+        _warn_repaired(kind, backend, n_rows, path, stacklevel=3)
+    else:
         raise FloatingPointError(
             f"sparse_mla {kind} is nonfinite even in the reference repair: inputs are bad (dump: {path}); "
             "raised when the device-side repair's flags were settled, after the call itself returned")
@@ -436,6 +447,7 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
     dkv[bad_kv] = ref_dkv[bad_kv]
     if not _all_finite(dq, dkv):
         raise FloatingPointError(f"sparse_mla backward is nonfinite even in the reference: inputs are bad (dump: {path})")
+    _warn_repaired("backward", backend, int(bad_q.sum()) + int(bad_kv.sum()), path, stacklevel=3)
     _stats.rows_repaired += int(bad_q.sum())
     _stats.kv_rows_repaired += int(bad_kv.sum())
     return dq, dkv
