@@ -105,6 +105,14 @@ def row_group_geometry(hg: int, rows_per_block: int) -> tuple[int, int]:
     return 64, 1
 
 
+def _tile_row(s, h, h0, R: int, hg: int):
+    """(query row, head) that tile row h of block s holds (``row_group_geometry``): (s, h0 + h) for
+    R = 1, else (s * R + h // hg, h0 + h % hg), a row that may lie past the sequence."""
+    if R == 1:
+        return s, h0 + h
+    return s * R + h // hg, h0 + h % hg
+
+
 def _row_group_access(R: int, hg: int):
     """(load_rows, load_lse, attends) for the tile layout of ``row_group_geometry``:
     load_rows(X, b, s, h0, h, d, S) reads X[b, row, head, d] for tile row h of block s (rows past
@@ -117,11 +125,12 @@ def _row_group_access(R: int, hg: int):
                 lambda valid, h, j: valid[j])
 
     def load_rows(X, b, s, h0, h, d, S):
-        row = s * R + h // hg
-        return T.if_then_else(row < S, X[b, T.min(row, S - 1), h0 + h % hg, d], T.cast(0, X.dtype))
+        row, head = _tile_row(s, h, h0, R, hg)
+        return T.if_then_else(row < S, X[b, T.min(row, S - 1), head, d], T.cast(0, X.dtype))
 
     def load_lse(Lse, b, s, h0, h, S):
-        return Lse[b, T.min(s * R + h // hg, S - 1), h0 + h % hg]
+        row, head = _tile_row(s, h, h0, R, hg)
+        return Lse[b, T.min(row, S - 1), head]
 
     return load_rows, load_lse, (lambda valid, h, j: ((valid[j] >> (h // hg)) & 1) == 1)
 
@@ -161,6 +170,7 @@ def _store_rows(Out, acc_o, b, s, h0, col0, seq_len, R, hg, h_blk, width):
         for h, d in T.Parallel(h_blk, width):
             Out[b, s, h0 + h, col0 + d] = acc_o[h, d]
     else:
+        # (_tile_row written out: a binding in a macro becomes a TIR let, a new kernel cache key)
         for h, d in T.Parallel(h_blk, width):
             if s * R + h // hg < seq_len:
                 Out[b, s * R + h // hg, h0 + h % hg, col0 + d] = acc_o[h, d]
@@ -172,7 +182,7 @@ def _store_lse(Lse, lse, b, s, h0, seq_len, R, hg, h_blk):
         for h in T.Parallel(h_blk):
             Lse[b, s, h0 + h] = lse[h]
     else:
-        for h in T.Parallel(h_blk):
+        for h in T.Parallel(h_blk):  # (_tile_row written out, as in _store_rows)
             if s * R + h // hg < seq_len:
                 Lse[b, s * R + h // hg, h0 + h % hg] = lse[h]
 
@@ -332,7 +342,8 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 
                 # the epilogue of _finish_rows / _store_rows / _store_lse, kept inline here: through the
                 # macros TileLang 0.1.15 assigns this kernel's reduction workspaces to other shared
-                # memory slots (seen in the generated CUDA), a layout never run on the GPU
+                # memory slots (seen in the generated CUDA), a layout never run on the GPU (the
+                # _tile_row mapping is written out below, as in _store_rows)
                 if safe:
                     # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE; a NaN row sum stays NaN
                     # (``!= 0``, as in _finish_rows)
@@ -429,9 +440,8 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     def q_row(w, h):
         # query row and head of tile row h; R > 1: rows past the sequence read the last row (their
         # slots are all masked and their outputs never stored)
-        if R == 1:
-            return w.s, w.h0 + h
-        return T.min(w.s * R + h // hg, w.S - 1), w.h0 + h % hg
+        row, head = _tile_row(w.s, h, w.h0, R, hg)
+        return (row, head) if R == 1 else (T.min(row, w.S - 1), head)
 
     @T.macro
     def load_q(w):
