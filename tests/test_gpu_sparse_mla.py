@@ -226,7 +226,7 @@ def test_nonfinite_inputs_come_out_nonfinite(H, options):
     finite, and invisible to the guard. A row group may spread a NaN key to the group's other
     rows (a masked entry is -inf + NaN); nothing else may differ: every other entry is finite
     and matches the reference."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, _kernel_lists
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, T_kv, K = 256, 2048, 128
@@ -242,14 +242,14 @@ def test_nonfinite_inputs_come_out_nonfinite(H, options):
     q[0, 150, 1, 5] = float("inf")
     grad = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     be = TileLangBackend(**options)
-    out, lse = be.forward(q, kv, idx, SCALE, 512)
-    dq, dkv = be.backward(q, kv, idx, out, lse, grad, SCALE, 512)
+    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)  # as the op runs it: both directions
+    dq, dkv = be.backward_saved(q, saved, out, lse, grad, SCALE, 512)  # on the same row groups
     r_out, r_lse = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
     r_dq, _ = ref.backward(q.float(), kv.float(), idx, grad.float(), SCALE, 512)
     want = ~torch.isfinite(r_out[0]).all(-1) | ~torch.isfinite(r_lse[0])  # [T, H]
     assert want[40].all() and want[77, H // 2] and want[150, 1] and not want[9].any()
     got = {"out": ~torch.isfinite(out[0]).all(-1), "lse": ~torch.isfinite(lse[0]), "dq": ~torch.isfinite(dq[0]).all(-1)}
-    R = be.rows_per_block(H)[1]  # consecutive rows per block if this call ran row groups
+    R = _kernel_lists(saved)[0]  # consecutive rows per block (R > 1: this call ran row groups)
     spread = want.any(-1).view(T // R, R).any(-1).repeat_interleave(R)[:, None] if R > 1 else want
     for name, bad in got.items():
         assert (bad | ~want).all(), f"{name}: finite where the reference is not: {(want & ~bad).nonzero().tolist()[:5]}"
