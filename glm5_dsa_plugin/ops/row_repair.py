@@ -167,6 +167,22 @@ def _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V: t
 
 
 @triton.jit
+def _load_head_block(Q, row, g, hb, H: tl.constexpr, HG: tl.constexpr, D_V: tl.constexpr, D_T: tl.constexpr,
+                     BV: tl.constexpr, BT: tl.constexpr, HB: tl.constexpr):
+    """Heads [hb * HB, (hb + 1) * HB) of group g in query row ``row`` of Q [rows, H, D_V + D_T]
+    (contiguous) -> (h [HB] heads, mh [HB] heads that exist, qrow [HB, 1] their offsets in Q,
+    q_v [HB, BV], q_t [HB, BT]; zero outside)."""
+    ov, ot = tl.arange(0, BV), tl.arange(0, BT)
+    hl = hb * HB + tl.arange(0, HB)  # head within the group
+    mh = hl < HG
+    h = g * HG + hl
+    qrow = (row * H + h[:, None]) * (D_V + D_T)
+    q_v = tl.load(Q + qrow + ov[None, :], mask=mh[:, None] & (ov < D_V)[None, :], other=0.0)
+    q_t = tl.load(Q + qrow + D_V + ot[None, :], mask=mh[:, None] & (ot < D_T)[None, :], other=0.0)
+    return h, mh, qrow, q_v, q_t
+
+
+@triton.jit
 def _repair_query_rows(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, n_rows, T, T_kv, H: tl.constexpr, HG: tl.constexpr,
                        G: tl.constexpr, K: tl.constexpr, sm_scale,
                        s_kb, s_ks, s_kg, s_ib, s_it, s_ig,
@@ -210,12 +226,7 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
             hit = tl.load(BAD_KV + b * T_kv + tl.where(valid, i, 0).to(tl.int64), mask=valid, other=0)
             sel_bad = tl.maximum(sel_bad, tl.max(hit))
     if (bad_q + sel_bad) > 0:
-        hl = hb * HB + tl.arange(0, HB)  # head within the group
-        mh = hl < HG
-        h = g * HG + hl
-        qrow = (row * H + h[:, None]) * D
-        q_v = tl.load(Q + qrow + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
-        q_t = tl.load(Q + qrow + D_V + ot[None, :], mask=mh[:, None] & mt[None, :], other=0.0)
+        h, mh, qrow, q_v, q_t = _load_head_block(Q, row, g, hb, H, HG, D_V, D_T, BV, BT, HB)
         do = tl.load(DO + (row * H + h[:, None]) * D_V + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
         # pass 1: row max and softmax denominator per head
         _, lse = _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T, BV, BT, HB, BS,
@@ -342,12 +353,8 @@ def _repair_forward_rows(Q, KV, IDX, OUT, LSE, BAD_Q, FLAGS, n_rows, T, T_kv, H:
     if tl.load(FLAGS + 1) != 0:
         n_hb = tl.cdiv(HG, HB)
         g, hb = tl.program_id(1) // n_hb, tl.program_id(1) % n_hb
-        D: tl.constexpr = D_V + D_T
-        ov, ot = tl.arange(0, BV), tl.arange(0, BT)
-        mv, mt = ov < D_V, ot < D_T
-        hl = hb * HB + tl.arange(0, HB)  # head within the group
-        mh = hl < HG
-        h = g * HG + hl
+        ov = tl.arange(0, BV)
+        mv = ov < D_V
         for rr in range(ROWS):
             row = tl.program_id(0).to(tl.int64) * ROWS + rr
             if row < n_rows:
@@ -355,9 +362,7 @@ def _repair_forward_rows(Q, KV, IDX, OUT, LSE, BAD_Q, FLAGS, n_rows, T, T_kv, H:
                     b, t = row // T, row % T
                     i_base = b * s_ib + t * s_it + g * s_ig
                     kv_base = b * s_kb + g * s_kg
-                    qrow = (row * H + h[:, None]) * D
-                    q_v = tl.load(Q + qrow + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
-                    q_t = tl.load(Q + qrow + D_V + ot[None, :], mask=mh[:, None] & mt[None, :], other=0.0)
+                    h, mh, _, q_v, q_t = _load_head_block(Q, row, g, hb, H, HG, D_V, D_T, BV, BT, HB)
                     empty, lse = _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T,
                                           BV, BT, HB, BS, PREC, BF16)
                     o = tl.zeros([HB, BV], tl.float32)
