@@ -173,10 +173,10 @@ def _store_rows(Out, acc_o, b, s, h0, col0, seq_len, R, hg, h_blk, width):
         for h, d in T.Parallel(h_blk, width):
             Out[b, s, h0 + h, col0 + d] = acc_o[h, d]
     else:
-        # (_tile_row written out: a binding in a macro becomes a TIR let, a new kernel cache key)
+        # (_tile_row called, not bound: a binding in a macro becomes a TIR let, a new cache key)
         for h, d in T.Parallel(h_blk, width):
-            if s * R + h // hg < seq_len:
-                Out[b, s * R + h // hg, h0 + h % hg, col0 + d] = acc_o[h, d]
+            if _tile_row(s, h, h0, R, hg)[0] < seq_len:
+                Out[(b, *_tile_row(s, h, h0, R, hg), col0 + d)] = acc_o[h, d]
 
 
 @T.macro
@@ -185,9 +185,9 @@ def _store_lse(Lse, lse, b, s, h0, seq_len, R, hg, h_blk):
         for h in T.Parallel(h_blk):
             Lse[b, s, h0 + h] = lse[h]
     else:
-        for h in T.Parallel(h_blk):  # (_tile_row written out, as in _store_rows)
-            if s * R + h // hg < seq_len:
-                Lse[b, s * R + h // hg, h0 + h % hg] = lse[h]
+        for h in T.Parallel(h_blk):  # (_tile_row called, not bound, as in _store_rows)
+            if _tile_row(s, h, h0, R, hg)[0] < seq_len:
+                Lse[(b, *_tile_row(s, h, h0, R, hg))] = lse[h]
 
 
 
@@ -345,8 +345,7 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 
                 # the epilogue of _finish_rows / _store_rows / _store_lse, kept inline here: through the
                 # macros TileLang 0.1.15 assigns this kernel's reduction workspaces to other shared
-                # memory slots (seen in the generated CUDA), a layout never run on the GPU (the
-                # _tile_row mapping is written out below, as in _store_rows)
+                # memory slots (seen in the generated CUDA), a layout never run on the GPU
                 if safe:
                     # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE; a NaN row sum stays NaN
                     # (``!= 0``, as in _finish_rows)
@@ -368,11 +367,11 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                         Lse[b, s, h0 + h] = row_sum[h]
                 else:
                     for h, d in T.Parallel(h_blk, D):
-                        if s * R + h // hg < S:
-                            Out[b, s * R + h // hg, h0 + h % hg, d] = acc_o[h, d]
+                        if _tile_row(s, h, h0, R, hg)[0] < S:
+                            Out[(b, *_tile_row(s, h, h0, R, hg), d)] = acc_o[h, d]
                     for h in T.Parallel(h_blk):
-                        if s * R + h // hg < S:
-                            Lse[b, s * R + h // hg, h0 + h % hg] = row_sum[h]
+                        if _tile_row(s, h, h0, R, hg)[0] < S:
+                            Lse[(b, *_tile_row(s, h, h0, R, hg))] = row_sum[h]
 
 
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
