@@ -188,10 +188,16 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     dq_buf, dq = guarded((1, T, H, D), torch.bfloat16)
     dkv_buf, dkv = guarded((1, T_kv + 1, 1, D), torch.float32, torch.zeros(1, T_kv + 1, 1, D, device="cuda"))
     do = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
-    # the backward reads out (for Delta) inside its guard region too
+    # the backward reads out (for Delta) inside its guard region too; as the backend runs it, with
+    # one row per block it reads the caller's indices as they are (the invalid values included,
+    # 2**31 - 1 too: its kernels select and mask them), row groups read their lists
     bwd = (sparse_mla_bwd_ws_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R) if ws
            else sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R))
-    bwd(q, kv, do, kidx, lse, out, extent, members, dq, dkv)
+    if R == 1:
+        _, raw = guarded(idx.shape, torch.int32, idx)
+        bwd(q, kv, do, raw, lse, out, extent, raw, dq, dkv)
+    else:
+        bwd(q, kv, do, kidx, lse, out, extent, members, dq, dkv)
     torch.cuda.synchronize()
     for name, buf, inner in (("kv", kv_buf, kv), ("out", out_buf, out), ("lse", lse_buf, lse),
                              ("dq", dq_buf, dq), ("dkv", dkv_buf, dkv)):
@@ -204,6 +210,38 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     r_out, r_lse = ref.forward(q.float(), kv_real.float(), clean, SCALE, 512)
     r_dq, r_dkv = ref.backward(q.float(), kv_real.float(), clean, do.float(), SCALE, 512)
     assert rel_l2(out, r_out) < 3e-3 and rel_l2(dq, r_dq) < 3e-3 and rel_l2(dkv[:, :T_kv], r_dkv) < 3e-3
+
+
+@pytest.mark.parametrize("H,topk,options,caller", [
+    (64, 256, {}, True),  # one row per block, topk a multiple of 64
+    (64, 200, {}, False),  # one row per block, topk padded: the backward reads the padded copy
+    (8, 200, {}, True),  # row groups read their lists; the indices are only the guard's
+    (64, 256, dict(deterministic=True), False),  # per-key sums need the sentinel rewrite
+])
+def test_backward_keeps_the_callers_indices(H, topk, options, caller):
+    """What autograd keeps for the backward: the caller's indices where the backward can read them
+    as they are, so no second index-sized tensor per call; the rewritten copy elsewhere. Either
+    way the gradients equal the reference, with indices the rule rejects acting as padding."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    T, T_kv = 160, 300
+    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(-1, T_kv, (1, T, 1, topk), generator=gen, device="cuda", dtype=torch.int32)
+    idx[0, :, 0, :3] = torch.tensor([T_kv, -5, 2**31 - 1], device="cuda", dtype=torch.int32)  # rejected
+    idx[0, 7] = -1
+    be = TileLangBackend(**options)
+    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)
+    assert (saved[1].data_ptr() == idx.data_ptr()) == caller
+    dq, dkv = be.backward_saved(q, saved, out, lse, g, SCALE, 512)
+    clean = idx.masked_fill(idx >= T_kv, -1).clamp(min=-1)
+    r_out, r_lse = ref.forward(q.float(), kv.float(), clean, SCALE, 512)
+    r_dq, r_dkv = ref.backward(q.float(), kv.float(), clean, g.float(), SCALE, 512)
+    _check((out, lse, dq, dkv), (r_out, r_lse, r_dq, r_dkv), clean)
+    kv_o, idx_o = be.originals(saved, topk)  # what the guard's reference repair reads
+    assert torch.equal(kv_o, kv) and torch.equal(idx_o.masked_fill(idx_o >= T_kv, -1).clamp(min=-1), clean)
 
 
 NONFINITE_PATHS = [

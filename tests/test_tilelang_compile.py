@@ -124,6 +124,25 @@ def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
     assert not re.search(r"< row_sum|row_sum\w*\[[^\]]*\] >", src)
 
 
+@pytest.mark.parametrize("ws,heads,R", [(True, 64, 1), (True, 8, 8), (False, 16, 1), (False, 16, 4)])
+def test_backward_index_checks_cannot_wrap(ws, heads, R):
+    """Every comparison of an index with kv_rows is made in int64: TVM rewrites ``idx < kv_rows - 1``
+    into ``idx + 1 < kv_rows``, which in int32 let 2**31 - 1 through to the dKV atomics (session
+    17, exp39); the backward reads the caller's indices, so such a value can reach it."""
+    import re
+
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
+
+    if ws:
+        k = sparse_mla_bwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
+    else:
+        k = sparse_mla_bwd_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90)
+    src = k.get_kernel_source()
+    checks = re.findall(r"\(+(?:\(int64_t\))?[\w\[\]]*[^;{]{0,400}?\+ (?:\(int64_t\))?1\) < (?:\(\(int64_t\))?kv_rows", src)
+    assert checks, "expected index checks against kv_rows"
+    assert not re.search(r"\] \+ 1\) < kv_rows|key_\d+ \+ 1\) < kv_rows", src), "an int32 index check"
+
+
 @pytest.mark.parametrize("hg,kv_group", [(8, 1), (16, 1), (32, 1), (8, 2)])
 def test_row_group_kernels_build_and_fit(hg, kv_group):
     """Fewer than 64 heads per group: the backend's row-group kernels (R = 64 / hg rows per block)

@@ -222,13 +222,13 @@ class _RowGroupChoice(_CountsOfLastCall):
 
 def _kernel_lists(saved: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(R, keys, members, extent) the kernels read, from a forward's ``saved``: the row groups'
-    lists when it ran them (R = their width / the indices' width), else the one-row indices
+    lists when it ran them (R = their width / the padded topk), else the one-row indices
     (members not read)."""
     idx, extent = saved[1], saved[2]
     if len(saved) == 3:
         return 1, idx, idx, extent
     keys, members, group_extent = saved[3:]
-    return keys.shape[-1] // idx.shape[-1], keys, members, group_extent
+    return keys.shape[-1] // padded_topk(idx.shape[-1]), keys, members, group_extent
 
 
 class TileLangBackend:
@@ -385,7 +385,10 @@ class TileLangBackend:
 
     def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
         """-> (out, lse, saved): ``saved`` is what :meth:`backward_saved` needs: :meth:`save`'s three
-        tensors, then (keys, members, extent) of ``group_keys`` when this call ran row groups."""
+        tensors, then (keys, members, extent) of ``group_keys`` when this call ran row groups. The
+        rewritten indices give way to the caller's ``indices`` where the backward can read those
+        as they are (``_backward_reads_caller_indices``): autograd then keeps no second
+        index-sized tensor per call (1 GB per layer at T = 128K, topk 2048)."""
         self._check(q, kv, d_v)
         G, hg = kv.shape[2], q.shape[2] // kv.shape[2]
         group_heads, group_rows = self.rows_per_block(hg)
@@ -414,7 +417,20 @@ class TileLangBackend:
                 kernel(qp, kv_k, keys, ext, members, out, lse)
         if last is not None:
             last.record(counts)
+        if self._backward_reads_caller_indices(indices, idx, len(saved) > 3):
+            saved = (saved[0], indices, *saved[2:])
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
+
+    def _backward_reads_caller_indices(self, indices, idx, row_groups: bool) -> bool:
+        """Whether the backward may read the caller's indices instead of the rewritten ``idx``: its
+        kernels map every slot outside [0, T_kv) to the sentinel row themselves and mask it (the
+        gathers, the scores, the dKV atomics; ``valid_slot`` compares in int64), and row groups
+        read their key lists (the indices are then only the guard's). Not with topk short of a
+        multiple of 64 (the one-row backward reads ``idx``'s padded width), the deterministic
+        backward (its per-key sums need the sentinel) or ``safe=False``; and only int32
+        contiguous indices (what the kernels take)."""
+        return (self.safe and not self.deterministic and indices.dtype == torch.int32 and indices.is_contiguous()
+                and (row_groups or indices.shape[-1] == idx.shape[-1]))
 
     def _warp_specialized(self, hg_pad: int, row_groups: bool, backward: bool = False) -> bool:
         """Whether this direction runs its warp-specialised kernel (``sparse_mla_fwd_ws_kernel`` /
@@ -516,11 +532,11 @@ class TileLangBackend:
             dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad,
                                                    sm_scale, d_v)
         else:
+            k_pad = padded_topk(idx.shape[-1])  # (the caller's indices may be unpadded: row groups)
             if self._warp_specialized(hg_pad, R > 1, backward=True):
-                kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale),
-                                                  rows_per_block=R)
+                kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), rows_per_block=R)
             else:
-                kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, idx.shape[-1], G, float(sm_scale), self.safe,
+                kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), self.safe,
                                                **({"rows_per_block": R} if R > 1 else {}))
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)

@@ -74,11 +74,10 @@ def bwd_block_slots(heads_per_group: int) -> int:
 
 
 def valid_slot(idx, n_rows):
-    """A slot is valid iff its index is a real kv row (the same test in both modes). With n_rows =
-    kv_rows - 1 TVM rewrites ``idx < n_rows`` into ``idx + 1 < kv_rows`` in int32 where no cast
-    intervenes (the backward's dKV atomics), which wraps at 2**31 - 1: the kernels get indices
-    that ``prepare_indices`` rewrote into [0, T_kv], never the caller's (session 17, exp39)."""
-    return (idx >= 0) & (idx < n_rows)
+    """A slot is valid iff its index is a real kv row (the same test in both modes). Compared in
+    int64: with n_rows = kv_rows - 1 TVM rewrites ``idx < n_rows`` into ``idx + 1 < kv_rows``,
+    which in int32 wrapped at 2**31 - 1 and passed that index (session 17, exp39)."""
+    return (idx >= 0) & (T.cast(idx, "int64") < T.cast(n_rows, "int64"))
 
 
 def slot_blocks(extent, block):
