@@ -388,6 +388,35 @@ def test_device_side_backward_repair(tmp_path, H):
     assert dump["bad_outputs_recomputed"] and torch.isnan(dump["bad_outputs"]["dq"]).any()
 
 
+def test_a_queued_backward_keeps_its_inputs_not_its_outputs():
+    """Fallback on CUDA: until its flags are settled, a recorded call's backward keeps what a dump
+    would need (q, grad_out, the saved index tensors) and nothing else: out is released with the
+    graph, so settling frees q + grad_out + the saved tensors and no more."""
+    from glm5_dsa_plugin.ops import configure, guard, guard_stats
+
+    configure(policy="fallback")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    T, H = 512, 64
+    idx = w2_indices(T, 256, gen)
+    q_leaf = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(T, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    guard_stats()
+    q = q_leaf * 1.0  # no leaf: once the graph is gone only the guard's queue holds it
+    g = torch.randn(T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    out, lse = sparse_mla(q, kv, idx, SCALE, backend="tilelang")
+    out_bytes = out.untyped_storage().nbytes()
+    out.backward(g)
+    held = guard._pending.held_bytes
+    q_bytes, g_bytes = q.untyped_storage().nbytes(), g.untyped_storage().nbytes()
+    del q, g, out, lse
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    guard_stats()
+    freed = before - torch.cuda.memory_allocated()
+    assert held >= q_bytes + g_bytes and freed >= q_bytes + g_bytes and freed < q_bytes + g_bytes + out_bytes
+    assert abs(freed - held) <= 2**20 + idx.nbytes  # the caller's indices may be among the saved
+
+
 def test_bad_index_raises_on_the_tilelang_path():
     """Validation is read after the (memory-safe) kernel here; the error is the same as elsewhere."""
     q = torch.randn(64, 16, 576, device="cuda", dtype=torch.bfloat16)

@@ -343,7 +343,7 @@ def test_deferred_backward_flags_are_settled_in_order(faulty, monkeypatch):
     monkeypatch.setattr(guard, "_pending", pending)
     faulty.dq_rows = [(0, 1)]
     q, kv, idx, g = _inputs()
-    args = (faulty, q.detach(), (kv.detach(), idx), idx.shape[-1], None, None, g, 0.4, 8)
+    args = (faulty, q.detach(), (kv.detach(), idx), idx.shape[-1], g, 0.4, 8)
     call = lambda values: guard._settle_backward_event(values, args)  # noqa: E731
 
     def flags(nonfinite, still=0, rows=0, kv_rows=0):
@@ -364,13 +364,41 @@ def test_deferred_backward_flags_are_settled_in_order(faulty, monkeypatch):
     # MAX_PENDING + 1 unsettled calls: only the oldest is waited for
     for _ in range(pending.MAX_PENDING + 1):
         pending.push(flags(0), call)
-    waited = [e.waited for _, _, e, _ in pending._queue]
+    waited = [e.waited for _, _, e, _, _ in pending._queue]
     assert len(pending._queue) == pending.MAX_PENDING and waited == [0] * pending.MAX_PENDING
     pending.settle(wait_all=True)
     assert guard._stats.events == 1 and not pending._queue
     pending.push(flags(1, still=1, rows=1), call)
     with pytest.raises(FloatingPointError, match="even in the reference repair"):
         pending.settle(wait_all=True)
+
+
+def test_pending_calls_keep_at_most_pending_bytes_alive(monkeypatch):
+    """Unsettled calls keep their tensors alive for a possible dump; past ``pending_bytes`` of
+    them the oldest are waited for and released, the newest never (one call bigger than the
+    budget does not stall its own push); the setting is validated."""
+    pending = _CpuPending()
+    monkeypatch.setattr(guard, "_pending", pending)
+    settled = []
+    flags = torch.zeros(guard.FLAG_SLOTS, dtype=torch.int32)
+    try:
+        configure(pending_bytes=1000)
+        for i in range(3):
+            pending.push(flags, lambda values, i=i: settled.append(i), held_bytes=400)
+        # 1200 > 1000 after the third push: the first was waited for, two stay (800 bytes)
+        assert settled == [0] and pending.held_bytes == 800 and len(pending._queue) == 2
+        assert [e.waited for _, _, e, _, _ in pending._queue] == [0, 0]
+        pending.push(flags, lambda values: settled.append(3), held_bytes=5000)
+        assert settled == [0, 1, 2] and len(pending._queue) == 1 and pending.held_bytes == 5000
+        pending.settle(wait_all=True)
+        assert settled == [0, 1, 2, 3] and pending.held_bytes == 0
+        # what a call holds: distinct storages, a view counting its whole storage once
+        a = torch.zeros(10, 4)
+        assert guard._storage_bytes(a, a[2:5], a.t(), torch.zeros(3, dtype=torch.int32)) == 160 + 12
+        with pytest.raises(ValueError, match="pending_bytes"):
+            configure(pending_bytes=-1)
+    finally:
+        configure(pending_bytes=2 << 30)
 
 
 def test_index_error_of_a_recorded_forward_is_raised_in_its_backward(monkeypatch):

@@ -15,8 +15,11 @@ pinned host memory behind it. A forward's flags are settled by its own backward,
 backward's kernels are queued (an index violation raises there, before gradients are returned);
 a backward's flags, and those of a forward whose backward never runs, at the next guarded call
 once they have arrived, or by :func:`stats`. Settling counts, warns, dumps, and raises when even
-the repair was nonfinite. At most ``MAX_PENDING`` calls wait unsettled (their tensors stay
-referenced until then); one more waits for the oldest. ``raise``, CPU tensors, graph capture
+the repair was nonfinite. Until then a queued call keeps the tensors a dump of it would need
+(its inputs and grad_out; outputs are recomputed if a dump is due). At most ``MAX_PENDING``
+calls wait unsettled, and at most ``pending_bytes`` of tensors that only the queue keeps alive
+(``configure(pending_bytes=...)`` / ``GLM5_DSA_PENDING_BYTES``, default 2 GiB; the newest call
+always stays queued); past either, the oldest is waited for. ``raise``, CPU tensors, graph capture
 and forwards without a backward to come (no grad) read the flags before returning; the last
 can read late too (``configure(forward_flags="deferred")`` / ``GLM5_DSA_FORWARD_FLAGS``). What is
 still pending at interpreter exit is settled then, and an error it raises is printed.
@@ -74,6 +77,7 @@ class _Config:
     dump_dir: str = "glm5_dsa_dumps"
     dump_every: int = 100
     forward_flags: str = "eager"
+    pending_bytes: int = 2 << 30
     warned: bool = False
 
 
@@ -82,21 +86,26 @@ _cfg = _Config(
     dump_dir=os.environ.get("GLM5_DSA_DUMP_DIR", "glm5_dsa_dumps"),
     dump_every=int(os.environ.get("GLM5_DSA_DUMP_EVERY", "100")),
     forward_flags=os.environ.get("GLM5_DSA_FORWARD_FLAGS", "eager").strip().lower() or "eager",
+    pending_bytes=int(os.environ.get("GLM5_DSA_PENDING_BYTES", str(2 << 30))),
 )
 if _cfg.policy not in POLICIES:
     raise ValueError(f"GLM5_DSA_NONFINITE={_cfg.policy!r}: expected one of {POLICIES}")
 if _cfg.forward_flags not in FORWARD_FLAGS:
     raise ValueError(f"GLM5_DSA_FORWARD_FLAGS={_cfg.forward_flags!r}: expected one of {FORWARD_FLAGS}")
+if _cfg.pending_bytes < 0:
+    raise ValueError(f"GLM5_DSA_PENDING_BYTES={_cfg.pending_bytes}: expected bytes >= 0")
 _stats = GuardStats()
 
 
 def configure(policy: str | None = None, dump_dir: str | None = None, dump_every: int | None = None,
-              forward_flags: str | None = None) -> None:
+              forward_flags: str | None = None, pending_bytes: int | None = None) -> None:
     """Set the process-wide guard policy (``fallback``/``raise``/``off``), dump folder, dump period,
     and when a forward that no backward follows (no grad) reads its flags: ``eager`` (default:
     before it returns) or ``deferred`` (like a recorded forward's: repaired on the device, the
     flags settled by a later guarded call, :func:`stats` or at exit; for forward-only passes such
-    as RL log-probs, where the read would stall the GPU once per layer)."""
+    as RL log-probs, where the read would stall the GPU once per layer). ``pending_bytes``: how
+    many bytes of tensors that only unsettled calls keep alive (for their dumps) may accumulate
+    before the oldest call is waited for (module docstring)."""
     if policy is not None:
         if policy not in POLICIES:
             raise ValueError(f"nonfinite policy {policy!r}: expected one of {POLICIES}")
@@ -107,6 +116,10 @@ def configure(policy: str | None = None, dump_dir: str | None = None, dump_every
         _cfg.forward_flags = forward_flags
     if dump_dir is not None:
         _cfg.dump_dir = str(dump_dir)
+    if pending_bytes is not None:
+        if pending_bytes < 0:
+            raise ValueError(f"pending_bytes must be >= 0, got {pending_bytes}")
+        _cfg.pending_bytes = int(pending_bytes)
     if dump_every is not None:
         if dump_every < 1:
             raise ValueError("dump_every must be >= 1")
@@ -267,6 +280,15 @@ def _all_finite(a: torch.Tensor, b: torch.Tensor) -> bool:
     return not _read(flags)[1]
 
 
+def _storage_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage once)."""
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[(t.device, st.data_ptr())] = st.nbytes()
+    return sum(seen.values())
+
+
 def _bad_rows(t: torch.Tensor) -> torch.Tensor:
     """[B, T, ...] -> bool [B, T]: rows with any nonfinite entry."""
     return ~torch.isfinite(t).flatten(2).all(-1)
@@ -321,7 +343,9 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
             repair_forward_rows(q, kv, indices, sm_scale, d_v, out, lse, flags)
             _stats.calls_checked += 1
         call = (backend, q, kv, indices, sm_scale, d_v)
-        return out, lse, saved, _pending.push(flags, lambda values: _settle_forward_event(values, call))
+        # a recorded call's inputs stay alive for its backward anyway, which settles these flags
+        held = 0 if backward_follows else _storage_bytes(q, kv, indices)
+        return out, lse, saved, _pending.push(flags, lambda values: _settle_forward_event(values, call), held)
     bad_index, nonfinite = _read(flags)[:2]  # the one host read
     _pending.settle()  # earlier calls' flags have arrived by now (may raise for such a call)
     if bad_index:
@@ -420,8 +444,9 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
         kv_v, idx_v = (backend.padded_views(saved, topk) if hasattr(backend, "padded_views")
                        else originals(backend, saved, topk))
         repair_backward_rows(q, kv_v, idx_v, grad_out, sm_scale, d_v, dq, dkv, flags)
-        call = (backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v)
-        _pending.push(flags, lambda values: _settle_backward_event(values, call))
+        # what a dump needs; out and lse (as large as grad_out) are recomputed if one is due
+        call = (backend, q, saved, topk, grad_out, sm_scale, d_v)
+        _pending.push(flags, lambda values: _settle_backward_event(values, call), _storage_bytes(q, grad_out, *saved))
         return dq, dkv
     if not _read(flags)[1]:  # the one host read
         return dq, dkv
@@ -465,6 +490,7 @@ class _PendingRepairs:
     def __init__(self):
         self._queue: list[tuple] = []  # (device, pinned flags, event, settle(values))
         self._spare: dict[torch.device, list[tuple]] = {}  # per device: (pinned int32 [FLAG_SLOTS], event)
+        self.held_bytes = 0  # of tensors that only queued entries keep alive
 
     # where the flags go and how their arrival is tracked (a CPU test replaces these three)
     @staticmethod
@@ -474,19 +500,22 @@ class _PendingRepairs:
     _new_event = staticmethod(torch.cuda.Event)
     _stream = staticmethod(torch.cuda.current_stream)
 
-    def push(self, flags: torch.Tensor, settle) -> tuple:
+    def push(self, flags: torch.Tensor, settle, held_bytes: int = 0) -> tuple:
         """Queue ``flags`` (copied behind the work on their stream); ``settle(values)`` runs once
         they have arrived, never within this push (a forward's flags are settled by its backward
-        or later, whatever the GPU's progress). -> the queue entry (for ``settle_through``)."""
+        or later, whatever the GPU's progress). ``held_bytes``: tensors that only this entry
+        keeps alive until then. Past ``MAX_PENDING`` entries or ``pending_bytes`` held, the
+        oldest are waited for (never the new one). -> the queue entry (for ``settle_through``)."""
         self.settle()  # the earlier calls' flags that have arrived
         spare = self._spare.setdefault(flags.device, [])
         host, event = spare.pop() if spare else (self._host_buffer(), self._new_event())
         host.copy_(flags, non_blocking=True)
         event.record(self._stream(flags.device))
-        entry = (flags.device, host, event, settle)
+        entry = (flags.device, host, event, settle, int(held_bytes))
         self._queue.append(entry)
-        if len(self._queue) > self.MAX_PENDING:
-            self.settle_through(self._queue[0])
+        self.held_bytes += int(held_bytes)
+        while len(self._queue) > 1 and (len(self._queue) > self.MAX_PENDING or self.held_bytes > _cfg.pending_bytes):
+            self._settle_oldest()
         return entry
 
     def settle(self, wait_all: bool = False) -> None:
@@ -502,7 +531,8 @@ class _PendingRepairs:
             self._settle_oldest()
 
     def _settle_oldest(self) -> None:
-        device, host, event, settle = self._queue.pop(0)
+        device, host, event, settle, held = self._queue.pop(0)
+        self.held_bytes -= held
         if not event.query():
             event.synchronize()
         values = host.tolist()
@@ -534,7 +564,7 @@ def settle_through(entry: tuple) -> None:
 
 def _settle_backward_event(values: list[int], call: tuple) -> None:
     """Count, warn, dump (and raise if even the repair was nonfinite) for a device-repaired backward."""
-    backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v = call
+    backend, q, saved, topk, grad_out, sm_scale, d_v = call
     if not values[1]:
         return
     _stats.rows_repaired += values[3]
@@ -542,7 +572,8 @@ def _settle_backward_event(values: list[int], call: tuple) -> None:
     kv, indices = originals(backend, saved, topk)
 
     def recompute_bad():
-        dq, dkv = _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, None)
+        out, lse, saved_again = _forward(backend, q, kv, indices, sm_scale, d_v, None)
+        dq, dkv = _backward(backend, q, saved_again, out, lse, grad_out, sm_scale, d_v, None)
         return dict(dq=dq, dkv=dkv)
 
     _device_repair_event("backward", backend,
