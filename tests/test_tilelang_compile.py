@@ -276,3 +276,44 @@ def test_warp_specialized_forward_has_no_bucket_plan():
     idx = torch.zeros(1, 8, 1, 2048, dtype=torch.int32)
     assert TileLangBackend(fwd_buckets_64=8)._plan_64(idx, 64, 32, "cpu") == (1, None, None)
     assert TileLangBackend(fwd_buckets_64=8, fwd_warp_specialized=False)._plan_64(idx, 64, 32, "cpu") == (8, None, None)
+
+
+def test_each_kernel_is_built_once_when_threads_ask_together():
+    """The kernel builders are memoised per argument set and build once when several threads ask
+    for the same kernel at the same time (concurrent TileLang builds of one kernel broke one of
+    them); different arguments build side by side."""
+    import threading
+    import time
+
+    from glm5_dsa_plugin.ops import tilelang_kernels as tk
+
+    calls, running, overlap = [], [0], [0]
+    lock = threading.Lock()
+
+    @tk.built_once
+    def build(n, scale=1.0):
+        with lock:
+            calls.append((n, scale))
+            running[0] += 1
+            overlap[0] = max(overlap[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return object()
+
+    results = {}
+
+    def ask(i):
+        results[i] = build(i % 2, scale=0.5)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(calls) == [(0, 0.5), (1, 0.5)] and overlap[0] == 2
+    assert len({id(results[i]) for i in range(0, 8, 2)}) == 1 and len({id(results[i]) for i in range(1, 8, 2)}) == 1
+    assert build(0, scale=0.5) is results[0] and build(0, scale=0.25) is not results[0]
+    for builder in (tk.sparse_mla_fwd_kernel, tk.sparse_mla_fwd_ws_kernel, tk.sparse_mla_bwd_kernel,
+                    tk.sparse_mla_bwd_ws_kernel):
+        assert builder.__code__ is tk.built_once(lambda: None).__code__  # the same wrapper

@@ -36,6 +36,7 @@ other rows of its block as well (0 * NaN); the guard repairs them like any other
 
 
 import functools
+import threading
 from types import SimpleNamespace
 
 import tilelang
@@ -54,6 +55,31 @@ PASS_CONFIGS = {
 BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
 SUPPORTED_SPLITS = {(512, 64), (256, 64)}  # (d_v, d_tail): the splits proven on the H200
 _MASK_INIT = -(2**30)  # running-max init: finite, so -inf - m never makes NaN
+
+
+def built_once(builder):
+    """Memoise a kernel builder per argument set, building each kernel once even when threads ask
+    for it at the same time (``functools.lru_cache`` lets each of them build it). Concurrent
+    TileLang compiles / cache loads of one kernel left one caller with a module that lacked its
+    device function ("Cannot find function fwd_kernel in the imported modules", session 18's
+    correctness sweep, 8 threads). Different kernels still build in parallel."""
+    built: dict = {}
+    locks: dict = {}
+    locks_lock = threading.Lock()
+
+    @functools.wraps(builder)
+    def get(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key in built:
+            return built[key]
+        with locks_lock:
+            lock = locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in built:
+                built[key] = builder(*args, **kwargs)
+        return built[key]
+
+    return get
 
 
 def check_split(d_v: int, d_tail: int) -> None:
@@ -235,7 +261,7 @@ def _block_ds_dq(w, kv_s, kt_s, scale, scale2, seq_len, load_lse, h_blk, block):
     T.gemm(w.dp_s, kv_s, w.acc_dq, policy=T.GemmWarpPolicy.FullCol)
     T.gemm(w.dp_s, kt_s, w.acc_dqt, policy=T.GemmWarpPolicy.FullCol)
 
-@functools.lru_cache(maxsize=None)
+@built_once
 def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_i=BLOCK_TOPK,
                           num_stages=2, threads=256, target="cuda", select_in_kernel=True, blocks=None,
                           rows_per_block=1):
@@ -376,7 +402,7 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
 
 
-@functools.lru_cache(maxsize=None)
+@built_once
 def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda"):
     """Warp-specialised forward for 64-row tiles (hg a multiple of 64, or row groups with
     R * hg = 64); the same tensors and results as ``sparse_mla_fwd_kernel`` in safe mode (indices
@@ -696,7 +722,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     return tilelang.compile(fwd, pass_configs=PASS_CONFIGS, target=target)
 
 
-@functools.lru_cache(maxsize=None)
+@built_once
 def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=True, block_s=None, threads=256,
                           target="cuda", dkv_per_slot=False, rows_per_block=1):
     """Q [B,T,H,Dqk], KV [B,T_kv+1,G,Dqk] (as forward), dO [B,T,H,d_v] bf16, Indices [B,T,G,topk],
@@ -827,7 +853,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
     return tilelang.compile(bwd, pass_configs=PASS_CONFIGS, target=target)
 
 
-@functools.lru_cache(maxsize=None)
+@built_once
 def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda",
                              mma_regs=216, producer_regs=72):
     """Warp-specialised backward for 64-row tiles; the same tensors and results as
