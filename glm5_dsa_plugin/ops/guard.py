@@ -488,7 +488,7 @@ class _PendingRepairs:
     MAX_PENDING = 4
 
     def __init__(self):
-        self._queue: list[tuple] = []  # (device, pinned flags, event, settle(values))
+        self._queue: list[tuple] = []  # (device, pinned flags, event, settle(values), held bytes)
         self._spare: dict[torch.device, list[tuple]] = {}  # per device: (pinned int32 [FLAG_SLOTS], event)
         self.held_bytes = 0  # of tensors that only queued entries keep alive
 
