@@ -160,6 +160,12 @@ def test_env_policy_is_validated():
     assert r.returncode != 0 and "GLM5_DSA_NONFINITE" in r.stderr
     with pytest.raises(ValueError):
         configure(policy="sometimes")
+    # the integer settings name the variable and the value
+    for name, value, says in (("GLM5_DSA_PENDING_BYTES", "2GiB", "expected an integer"),
+                              ("GLM5_DSA_PENDING_BYTES", "-1", "expected bytes >= 0"),
+                              ("GLM5_DSA_DUMP_EVERY", "0", "expected >= 1")):
+        r = subprocess.run([sys.executable, "-c", code], env={name: value, "PATH": ""}, capture_output=True, text=True)
+        assert r.returncode != 0 and f"{name}=" in r.stderr and says in r.stderr, r.stderr[-300:]
 
 
 def test_replay_script_exit_codes(faulty, tmp_path):

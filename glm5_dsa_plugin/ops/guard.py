@@ -81,17 +81,30 @@ class _Config:
     warned: bool = False
 
 
+def _env_int(name: str, default: int) -> int:
+    """An integer environment setting; a clear error naming the variable otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+
+
 _cfg = _Config(
     policy=os.environ.get("GLM5_DSA_NONFINITE", "fallback").strip().lower() or "fallback",
     dump_dir=os.environ.get("GLM5_DSA_DUMP_DIR", "glm5_dsa_dumps"),
-    dump_every=int(os.environ.get("GLM5_DSA_DUMP_EVERY", "100")),
+    dump_every=_env_int("GLM5_DSA_DUMP_EVERY", 100),
     forward_flags=os.environ.get("GLM5_DSA_FORWARD_FLAGS", "eager").strip().lower() or "eager",
-    pending_bytes=int(os.environ.get("GLM5_DSA_PENDING_BYTES", str(2 << 30))),
+    pending_bytes=_env_int("GLM5_DSA_PENDING_BYTES", 2 << 30),
 )
 if _cfg.policy not in POLICIES:
     raise ValueError(f"GLM5_DSA_NONFINITE={_cfg.policy!r}: expected one of {POLICIES}")
 if _cfg.forward_flags not in FORWARD_FLAGS:
     raise ValueError(f"GLM5_DSA_FORWARD_FLAGS={_cfg.forward_flags!r}: expected one of {FORWARD_FLAGS}")
+if _cfg.dump_every < 1:
+    raise ValueError(f"GLM5_DSA_DUMP_EVERY={_cfg.dump_every}: expected >= 1")
 if _cfg.pending_bytes < 0:
     raise ValueError(f"GLM5_DSA_PENDING_BYTES={_cfg.pending_bytes}: expected bytes >= 0")
 _stats = GuardStats()
