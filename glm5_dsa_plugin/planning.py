@@ -92,19 +92,39 @@ def _layer_params(config, is_moe: bool, computes: bool, tp: int, ep: int) -> int
     return _per_rank_params(layer, tp, ep)
 
 
-def attention_activation_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool) -> int:
-    """Bytes one DSA layer keeps for backward per micro batch (bf16 activations, fp32 lse, int32 indices)."""
+def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes: bool) -> dict[str, int]:
+    """Bytes one DSA layer keeps for backward per micro batch, by tensor, as the TileLang backend
+    keeps them (bf16 activations, fp32 lse, int32 indices):
+
+    * ``q`` (absorbed, [S_loc, H, 576]), ``kv`` (the latent kv, all-gathered over CP, with its zero
+      sentinel row), ``out`` and ``lse``;
+    * ``indices``: the caller's top-k, kept by the layer that computes them; layers that reuse them
+      keep the same tensor (0 here), unless topk is not a multiple of 64: then every layer keeps
+      its own padded copy;
+    * ``key_lists``: with fewer than 64 heads per rank, the row groups' lists (an int32 key and a
+      uint8 member byte per padded slot); an upper bound, since ``row_groups="auto"`` drops them
+      for shapes whose rows share no key;
+    * ``indexer``: the indexer's q, k and weights in a layer that computes indices."""
+    from .ops.tilelang_backend import TileLangBackend, padded_topk
+
     H = card["num_attention_heads"] // tp
     S_loc = seq // cp
     dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
-    b = S_loc * H * dq * 2  # absorbed q
-    b += seq * dq * 2  # latent kv, all-gathered over CP
-    b += S_loc * H * card["kv_lora_rank"] * 2 + S_loc * H * 4  # out + lse
-    b += S_loc * card["index_topk"] * 4  # indices
-    if computes:
-        b += S_loc * card["index_n_heads"] * card["index_head_dim"] * 2 + seq * card["index_head_dim"] * 2
-        b += S_loc * card["index_n_heads"] * 4
-    return b
+    topk = card["index_topk"]
+    k_pad = padded_topk(topk)
+    parts = dict(q=S_loc * H * dq * 2, kv=(seq + 1) * dq * 2, out=S_loc * H * card["kv_lora_rank"] * 2,
+                 lse=S_loc * H * 4)
+    parts["indices"] = S_loc * topk * 4 * computes + (S_loc * k_pad * 4 if k_pad != topk else 0)
+    _, R = TileLangBackend().rows_per_block(H)
+    parts["key_lists"] = -(-S_loc // R) * R * k_pad * 5 if R > 1 else 0
+    parts["indexer"] = ((S_loc * card["index_n_heads"] * card["index_head_dim"] * 2 + seq * card["index_head_dim"] * 2
+                         + S_loc * card["index_n_heads"] * 4) if computes else 0)
+    return parts
+
+
+def attention_activation_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool) -> int:
+    """Sum of :func:`attention_activation_parts`."""
+    return sum(attention_activation_parts(card, tp, cp, seq, computes).values())
 
 
 def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int) -> tuple[list[Stage], dict]:

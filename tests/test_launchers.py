@@ -127,3 +127,28 @@ def test_dry_run_glm52_reported_layout():
     assert all(computes_indices(f, 4, 3) for f in firsts) and rows[-1][-1] == "+MTP"
     assert int(rows[-1][1].split("-")[1]) == 78
     assert "nothing allocated" in out.stdout
+
+
+def test_dry_run_attention_memory_counts_what_the_backend_keeps():
+    """The dry run's attention memory, index side, against the tensors themselves: the row-group
+    key lists as ``group_keys`` lays them out (row groups below 64 heads per rank), the top-k once
+    in the layer that computes it (reusing layers keep the same tensor), a padded copy per layer
+    when topk is not a multiple of 64."""
+    import torch
+
+    from glm5_dsa_plugin import cards
+    from glm5_dsa_plugin.ops.row_groups import group_keys_reference
+    from glm5_dsa_plugin.planning import attention_activation_bytes, attention_activation_parts
+
+    card = cards.load_card("glm5.2")
+    seq, topk = 40, card["index_topk"]
+    idx = torch.randint(-1, seq, (1, seq, 1, topk), dtype=torch.int32).clamp(min=0)
+    for tp, R in ((1, 1), (4, 4), (8, 8)):  # 64, 16, 8 heads per rank
+        computing = attention_activation_parts(card, tp, 1, seq, True)
+        reusing = attention_activation_parts(card, tp, 1, seq, False)
+        assert computing["indices"] == idx.nbytes and reusing["indices"] == 0
+        lists = group_keys_reference(idx, seq, R)[:2] if R > 1 else ()
+        assert computing["key_lists"] == reusing["key_lists"] == sum(t.nbytes for t in lists)
+        assert attention_activation_bytes(card, tp, 1, seq, False) == sum(reusing.values())
+    odd = cards.with_overrides(card, index_topk=100)
+    assert attention_activation_parts(odd, 1, 1, seq, False)["indices"] == seq * 128 * 4
