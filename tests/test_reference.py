@@ -238,6 +238,21 @@ def test_lse_is_fp32_natural_log_and_not_differentiable():
     torch.testing.assert_close(lse, torch.logsumexp(s, -1).float())
 
 
+def test_a_call_with_nothing_to_differentiate_records_no_autograd_node():
+    """Without grad (or with inputs that need none) the op returns the same values as under
+    autograd, with no graph node; a call autograd records gets one, and its gradients."""
+    q, kv, idx = _ok(dtype=torch.float64)
+    out_graph, lse_graph = sparse_mla(q.clone().requires_grad_(True), kv, idx, 0.5, d_v=8, backend="reference")
+    node = out_graph.grad_fn.next_functions[0][0]  # under the unbatching squeeze
+    assert "SparseMLA" in type(node).__name__
+    with torch.no_grad():
+        out_ng, lse_ng = sparse_mla(q.clone().requires_grad_(True), kv, idx, 0.5, d_v=8, backend="reference")
+    out_plain, lse_plain = sparse_mla(q, kv, idx, 0.5, d_v=8, backend="reference")  # no input needs grad
+    for out, lse in ((out_ng, lse_ng), (out_plain, lse_plain)):
+        assert out.grad_fn is None and not out.requires_grad and not lse.requires_grad
+        assert torch.equal(out, out_graph.detach()) and torch.equal(lse, lse_graph)
+
+
 def test_deterministic_flag(no_deterministic_backend):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(6, 2, 12, generator=gen, dtype=torch.float64, requires_grad=True)

@@ -98,7 +98,10 @@ def sparse_mla(
     if validate and not defer:
         check_indices(idx4, prob.seq_len_kv)
     backward_follows = torch.is_grad_enabled() and (q4.requires_grad or kv4.requires_grad)
-    out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl, defer, backward_follows)
+    if backward_follows:
+        out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl, defer, True)
+    else:  # nothing to differentiate: no autograd node (its bookkeeping is host time on every call)
+        out, lse, _, _ = _guard.run_forward(impl, q4, kv4, idx4, float(sm_scale), prob.d_v, defer, False)
     if not prob.batched_input:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return out, lse
