@@ -81,32 +81,47 @@ class _Config:
     warned: bool = False
 
 
-def _env_int(name: str, default: int) -> int:
-    """An integer environment setting; a clear error naming the variable otherwise."""
-    raw = os.environ.get(name, "").strip()
+# setting -> (environment variable, its rule, what the rule expects)
+_SETTINGS = {
+    "policy": ("GLM5_DSA_NONFINITE", lambda v: v in POLICIES, f"one of {POLICIES}"),
+    "forward_flags": ("GLM5_DSA_FORWARD_FLAGS", lambda v: v in FORWARD_FLAGS, f"one of {FORWARD_FLAGS}"),
+    "dump_every": ("GLM5_DSA_DUMP_EVERY", lambda v: v >= 1, ">= 1"),
+    "pending_bytes": ("GLM5_DSA_PENDING_BYTES", lambda v: v >= 0, "bytes >= 0"),
+}
+
+
+def _checked(name: str, value, label: str):
+    """``value`` of setting ``name`` if its rule holds, else a ValueError naming ``label`` (the
+    argument or the environment variable) and the value."""
+    _, rule, expected = _SETTINGS[name]
+    if not rule(value):
+        raise ValueError(f"{label}={value!r}: expected {expected}")
+    return value
+
+
+def _from_env(name: str, default):
+    """Setting ``name`` from its environment variable (``default`` when unset), checked."""
+    var = _SETTINGS[name][0]
+    raw = os.environ.get(var, "").strip()
     if not raw:
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+    if isinstance(default, int):
+        try:
+            raw = int(raw)
+        except ValueError:
+            raise ValueError(f"{var}={raw!r}: expected an integer") from None
+    else:
+        raw = raw.lower()
+    return _checked(name, raw, var)
 
 
 _cfg = _Config(
-    policy=os.environ.get("GLM5_DSA_NONFINITE", "fallback").strip().lower() or "fallback",
+    policy=_from_env("policy", "fallback"),
     dump_dir=os.environ.get("GLM5_DSA_DUMP_DIR", "glm5_dsa_dumps"),
-    dump_every=_env_int("GLM5_DSA_DUMP_EVERY", 100),
-    forward_flags=os.environ.get("GLM5_DSA_FORWARD_FLAGS", "eager").strip().lower() or "eager",
-    pending_bytes=_env_int("GLM5_DSA_PENDING_BYTES", 2 << 30),
+    dump_every=_from_env("dump_every", 100),
+    forward_flags=_from_env("forward_flags", "eager"),
+    pending_bytes=_from_env("pending_bytes", 2 << 30),
 )
-if _cfg.policy not in POLICIES:
-    raise ValueError(f"GLM5_DSA_NONFINITE={_cfg.policy!r}: expected one of {POLICIES}")
-if _cfg.forward_flags not in FORWARD_FLAGS:
-    raise ValueError(f"GLM5_DSA_FORWARD_FLAGS={_cfg.forward_flags!r}: expected one of {FORWARD_FLAGS}")
-if _cfg.dump_every < 1:
-    raise ValueError(f"GLM5_DSA_DUMP_EVERY={_cfg.dump_every}: expected >= 1")
-if _cfg.pending_bytes < 0:
-    raise ValueError(f"GLM5_DSA_PENDING_BYTES={_cfg.pending_bytes}: expected bytes >= 0")
 _stats = GuardStats()
 
 
@@ -118,25 +133,14 @@ def configure(policy: str | None = None, dump_dir: str | None = None, dump_every
     flags settled by a later guarded call, :func:`stats` or at exit; for forward-only passes such
     as RL log-probs, where the read would stall the GPU once per layer). ``pending_bytes``: how
     many bytes of tensors that only unsettled calls keep alive (for their dumps) may accumulate
-    before the oldest call is waited for (module docstring)."""
-    if policy is not None:
-        if policy not in POLICIES:
-            raise ValueError(f"nonfinite policy {policy!r}: expected one of {POLICIES}")
-        _cfg.policy = policy
-    if forward_flags is not None:
-        if forward_flags not in FORWARD_FLAGS:
-            raise ValueError(f"forward_flags {forward_flags!r}: expected one of {FORWARD_FLAGS}")
-        _cfg.forward_flags = forward_flags
+    before the oldest call is waited for (module docstring). Each is checked by the rule its
+    environment variable is checked by."""
+    for name, value in (("policy", policy), ("forward_flags", forward_flags), ("dump_every", dump_every),
+                        ("pending_bytes", pending_bytes)):
+        if value is not None:
+            setattr(_cfg, name, _checked(name, type(getattr(_cfg, name))(value), name))
     if dump_dir is not None:
         _cfg.dump_dir = str(dump_dir)
-    if pending_bytes is not None:
-        if pending_bytes < 0:
-            raise ValueError(f"pending_bytes must be >= 0, got {pending_bytes}")
-        _cfg.pending_bytes = int(pending_bytes)
-    if dump_every is not None:
-        if dump_every < 1:
-            raise ValueError("dump_every must be >= 1")
-        _cfg.dump_every = int(dump_every)
 
 
 def policy() -> str:
