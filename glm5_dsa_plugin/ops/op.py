@@ -10,10 +10,13 @@ from .contract import canonicalize, check_indices
 
 
 class _SparseMLAFunction(torch.autograd.Function):
+    """A call autograd records (a backward follows); calls with nothing to differentiate run the
+    guard's forward directly (``sparse_mla``)."""
+
     @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v, backend, defer_index_check, backward_follows):
+    def forward(ctx, q, kv, indices, sm_scale, d_v, backend, defer_index_check):
         out, lse, saved, ctx.pending_flags = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v,
-                                                                defer_index_check, backward_follows)
+                                                                defer_index_check, backward_follows=True)
         # saved replaces (kv, indices): a backend's prepared inputs are built once per call
         ctx.save_for_backward(q, out, lse, *saved)
         ctx.sm_scale, ctx.d_v, ctx.backend, ctx.topk = sm_scale, d_v, backend, indices.shape[-1]
@@ -33,7 +36,7 @@ class _SparseMLAFunction(torch.autograd.Function):
             # the forward's index / finiteness flags, read only now that the backward's kernels are
             # queued (its forward finished long ago): raises here, before any gradient is returned
             _guard.settle_through(ctx.pending_flags)
-        return dq, dkv, None, None, None, None, None, None
+        return dq, dkv, None, None, None, None, None
 
 
 def sparse_mla(
@@ -99,7 +102,7 @@ def sparse_mla(
         check_indices(idx4, prob.seq_len_kv)
     backward_follows = torch.is_grad_enabled() and (q4.requires_grad or kv4.requires_grad)
     if backward_follows:
-        out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl, defer, True)
+        out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl, defer)
     else:  # nothing to differentiate: no autograd node (its bookkeeping is host time on every call)
         out, lse, _, _ = _guard.run_forward(impl, q4, kv4, idx4, float(sm_scale), prob.d_v, defer, False)
     if not prob.batched_input:
