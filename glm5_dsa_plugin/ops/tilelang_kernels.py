@@ -6,8 +6,9 @@ Fixes over the vendored copies (each applies when ``safe=True``, the only mode t
     [B, T_kv + 1, G, Dqk] tensor) and, in the same pass that pads topk, rewrites every slot
     outside [0, T_kv) (-1 padding, and anything index validation would reject) to T_kv
     (``triton_helpers.prepare_indices``, one launch). The backward also selects the sentinel
-    itself for any index outside [0, T_kv) (``gather_row``; the forward can, ``select_in_kernel``,
-    but by default trusts the rewrite: it is what the fix-cost budget buys). Every gather address
+    itself for any index outside [0, T_kv) (``gather_row``, ``valid_slot`` in int64), so the
+    backend may hand it the caller's indices as they are; the forward can (``select_in_kernel``),
+    but by default trusts the rewrite: it is what the fix-cost budget buys. Every gather address
     is a real row, the padding key/value is exactly zero, and no data-dependent branch sits on
     the load itself (the gathers stay asynchronous copies).
     A slot outside [0, T_kv) scores -inf and issues no dKV atomic (its dKV rows are exact zeros);
