@@ -183,8 +183,10 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
         sparse_mla_fwd_kernel(H, 512, 64, K, 1, SCALE, select_in_kernel=False, num_stages=stages,
                               blocks=None if (lo, hi) == (0, R * K // 64) else (lo, hi),
                               rows_per_block=R)(q, kv, kidx, extent, members, out, lse)
-    if ws:
-        sparse_mla_fwd_ws_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R)(q, kv, kidx, extent, members, out, lse)
+    if ws:  # as the backend runs it: one row per block reads the caller's indices (its own select)
+        keys = kidx if R > 1 else guarded(idx.shape, torch.int32, idx)[1]
+        sparse_mla_fwd_ws_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R)(q, kv, keys, extent,
+                                                                            members if R > 1 else keys, out, lse)
     dq_buf, dq = guarded((1, T, H, D), torch.bfloat16)
     dkv_buf, dkv = guarded((1, T_kv + 1, 1, D), torch.float32, torch.zeros(1, T_kv + 1, 1, D, device="cuda"))
     do = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -193,12 +195,15 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     # 2**31 - 1 too: its kernels select and mask them), row groups read their lists
     bwd = (sparse_mla_bwd_ws_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R) if ws
            else sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R))
+    flags = torch.zeros(1, dtype=torch.int32, device="cuda")  # the warp-specialised backward's nonfinite flag
+    ws_flag = (flags,) if ws else ()
     if R == 1:
         _, raw = guarded(idx.shape, torch.int32, idx)
-        bwd(q, kv, do, raw, lse, out, extent, raw, dq, dkv)
+        bwd(q, kv, do, raw, lse, out, extent, raw, dq, dkv, *ws_flag)
     else:
-        bwd(q, kv, do, kidx, lse, out, extent, members, dq, dkv)
+        bwd(q, kv, do, kidx, lse, out, extent, members, dq, dkv, *ws_flag)
     torch.cuda.synchronize()
+    assert flags.item() == 0, "the warp-specialised backward flagged a nonfinite dq (a NaN guard region read?)"
     for name, buf, inner in (("kv", kv_buf, kv), ("out", out_buf, out), ("lse", lse_buf, lse),
                              ("dq", dq_buf, dq), ("dkv", dkv_buf, dkv)):
         assert torch.isfinite(inner).all(), f"{name}: nonfinite inside"
@@ -298,6 +303,43 @@ def test_nonfinite_inputs_come_out_nonfinite(H, options):
     torch.testing.assert_close(lse[0][ok], r_lse[0][ok], rtol=1e-4, atol=1e-3)
     ok = ~got["dq"]
     assert rel_l2(dq[0][ok], r_dq[0][ok]) <= 3e-3
+
+
+@pytest.mark.parametrize("H,options", NONFINITE_PATHS + [(64, dict(deterministic=True))])
+@pytest.mark.parametrize("case", ["clean", "inf_value", "nan_grad"])
+def test_backward_flags_exactly_its_nonfinite_outputs(H, options, case):
+    """The backward's ``nonfinite_flag`` is set exactly when the dq or dkv it returns holds a NaN /
+    inf: the warp-specialised kernel tests dq in its registers before storing it (the dq scan
+    goes), the others' dq is scanned in the dKV conversion pass, dkv is tested there in every
+    case. ``inf_value``: +inf in a kv row's value columns, which (for heads whose q is negative
+    there) scores -inf, a zero weight, and 0 * inf = NaN while lse stays finite; ``nan_grad``:
+    one row of dO is NaN (the forward stays finite)."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    T, T_kv, K = 256, 2048, 128
+    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(-1, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
+    idx[0, 9] = -1  # an empty row
+    grad = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    if case == "inf_value":
+        key = int(idx[0, 60].max())
+        kv[0, key, 0, 7] = float("inf")
+        q[0, 60, 0, 7], q[0, 60, 1, 7] = -1.0, 1.0  # head 0: score -inf (lse finite); head 1: +inf
+    elif case == "nan_grad":
+        grad[0, 200, H - 1, 3] = float("nan")
+    be = TileLangBackend(**options)
+    flags = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)
+    dq, dkv = be.backward_saved(q, saved, out, lse, grad, SCALE, 512, nonfinite_flag=flags)
+    fwd_bad = not (torch.isfinite(out).all() and torch.isfinite(lse).all())
+    bwd_bad = not (torch.isfinite(dq).all() and torch.isfinite(dkv).all())
+    assert (fwd_bad, bwd_bad) == {"clean": (False, False), "inf_value": (True, True),
+                                  "nan_grad": (False, True)}[case]
+    assert bool(flags.item()) == bwd_bad, (flags.item(), bwd_bad)
+    if case == "inf_value":  # the case a scan of lse alone would miss: some head's lse stays finite
+        assert torch.isfinite(lse[0, 60, 0]) and not torch.isfinite(out[0, 60, 0]).all()
 
 
 def test_nonfinite_inputs_raise_under_the_guard(tmp_path):

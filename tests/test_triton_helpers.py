@@ -71,6 +71,16 @@ for shape, k_pad, n_kv, wild_frac in cases:
         assert ext[0, 0, 0].item() == 0
         assert flags.tolist() == ([w_bad, 0] if check else [0, 0]), (flags, w_bad, check)
         assert int(out.min()) >= 0 and int(out.max()) <= n_kv
+        if k_pad == shape[-1]:  # without the rewrite: the caller's tensor back, the same extent / flag
+            flags2 = torch.zeros(2, dtype=torch.int32)
+            same, ext2 = prepare_indices(idx, n_kv, k_pad, flags2 if check else None, rewrite=False)
+            assert same is idx and torch.equal(ext2, w_ext) and torch.equal(flags2, flags)
+# rewrite=False with topk short of k_pad: refused (the kernels would read past the caller's rows)
+try:
+    prepare_indices(torch.zeros(1, 2, 1, 100, dtype=torch.int32), 5, 128, rewrite=False)
+    raise AssertionError("expected ValueError")
+except ValueError as e:
+    assert "rewrite=False" in str(e)
 # with kv: the same indices, plus kv with one zero row appended per batch (bit-exact copy)
 for B, n_kv, G, D in [(2, 50, 1, 576), (3, 7, 2, 40), (1, 3000, 1, 64)]:
     kv = torch.randn(B, n_kv, G, D, generator=g).bfloat16()

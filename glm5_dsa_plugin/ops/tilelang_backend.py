@@ -235,7 +235,8 @@ class TileLangBackend:
     """Fixed TileLang kernels; bf16, CUDA sm_90."""
 
     name = "tilelang"
-    # the backward sets the guard's nonfinite flag itself, in the pass that converts dKV
+    # the backward sets the guard's nonfinite flag itself: dq tested in the warp-specialised
+    # kernel's registers (else in the dKV conversion pass), dKV in the pass that converts it
     reports_nonfinite = True
 
     def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
@@ -264,6 +265,7 @@ class TileLangBackend:
         # launch; "auto": per call from the rows' block counts of the last call of that shape)
         self.fwd_buckets_64 = fwd_buckets_64
         self._block_counts: dict[tuple, _BlockCountsOfLastCall] = {}
+        self._scratch_flags: dict[torch.device, torch.Tensor] = {}
         self._built_plans: set[tuple] = set()  # forward plans whose kernels were built (forward_kernels)
         # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
         # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
@@ -319,19 +321,21 @@ class TileLangBackend:
         check_split(d_v, q.shape[-1] - d_v)
 
     def save(self, kv, indices, index_flag=None, block_counts=None,
-             block=64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             block=64, rewrite=True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prepared inputs both kernels read, built once per call (forward) and kept for the
         backward in place of (kv, indices): (kv with the zero sentinel row [B, T_kv + 1, G, Dqk],
         kernel indices [B, T, G, K_pad] in [0, T_kv], extent [B, T, G]); K_pad is topk rounded up
         to ``BLOCK_TOPK``. ``index_flag`` (int32 [1]) is set when an index breaks the rule;
         ``block_counts`` (see ``prepare_indices``) counts rows by their blocks of ``block`` slots.
+        ``rewrite=False``: the caller's ``indices`` in place of the kernel indices (for kernels that
+        read them as they are, ``_kernels_read_caller_indices``).
         With ``safe=False`` (fix-cost measurement only): raw kv, -1 padding, full extent."""
         from .tilelang_kernels import BLOCK_TOPK
 
         k_pad = padded_topk(indices.shape[-1])
         if self.safe:
             idx, extent, kv_k = prepare_indices(indices, kv.shape[1], k_pad, index_flag, kv=kv,
-                                                block_counts=block_counts, block=block)
+                                                block_counts=block_counts, block=block, rewrite=rewrite)
             return kv_k, idx, extent
         idx = _pad_topk(indices, BLOCK_TOPK)
         return kv.contiguous(), idx, torch.full(idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
@@ -383,12 +387,22 @@ class TileLangBackend:
         it after the call)."""
         return self.forward_saving(q, kv, indices, sm_scale, d_v, index_flag)[:2]
 
+    def _scratch_flag(self, device) -> torch.Tensor:
+        """An int32 [1] the warp-specialised backward may set when no caller asked for its
+        nonfinite flag (written, never read; one per device)."""
+        flags = self._scratch_flags.get(device)
+        if flags is None:
+            flags = self._scratch_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return flags
+
     def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
         """-> (out, lse, saved): ``saved`` is what :meth:`backward_saved` needs: :meth:`save`'s three
         tensors, then (keys, members, extent) of ``group_keys`` when this call ran row groups. The
         rewritten indices give way to the caller's ``indices`` where the backward can read those
-        as they are (``_backward_reads_caller_indices``): autograd then keeps no second
-        index-sized tensor per call (1 GB per layer at T = 128K, topk 2048)."""
+        as they are (``_kernels_read_caller_indices``): autograd then keeps no second
+        index-sized tensor per call (1 GB per layer at T = 128K, topk 2048); where the
+        warp-specialised forward reads them too (one row per block), no rewritten copy is made
+        at all."""
         self._check(q, kv, d_v)
         G, hg = kv.shape[2], q.shape[2] // kv.shape[2]
         group_heads, group_rows = self.rows_per_block(hg)
@@ -398,7 +412,10 @@ class TileLangBackend:
         n_blocks = padded_topk(indices.shape[-1]) // block
         ws = self._warp_specialized(hg_pad, use_groups)
         buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
-        saved = self.save(kv, indices, index_flag, block_counts=counts, block=block)
+        # (count_into is None for >= 64 heads per group: no row-group lists to build from a rewrite)
+        forward_reads_caller = ws and not use_groups and self._kernels_read_caller_indices(indices, False)
+        saved = self.save(kv, indices, index_flag, block_counts=counts, block=block,
+                          rewrite=not forward_reads_caller)
         if use_groups or count_into is not None:  # (counting builds the lists in one-row calls too)
             lists = group_keys(saved[1], kv.shape[1], group_rows)
             if count_into is not None:  # group entries vs the slots one-row blocks run
@@ -417,20 +434,20 @@ class TileLangBackend:
                 kernel(qp, kv_k, keys, ext, members, out, lse)
         if last is not None:
             last.record(counts)
-        if self._backward_reads_caller_indices(indices, idx, len(saved) > 3):
+        if self._kernels_read_caller_indices(indices, len(saved) > 3):
             saved = (saved[0], indices, *saved[2:])
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
 
-    def _backward_reads_caller_indices(self, indices, idx, row_groups: bool) -> bool:
-        """Whether the backward may read the caller's indices instead of the rewritten ``idx``: its
-        kernels map every slot outside [0, T_kv) to the sentinel row themselves and mask it (the
-        gathers, the scores, the dKV atomics; ``valid_slot`` compares in int64), and row groups
-        read their key lists (the indices are then only the guard's). Not with topk short of a
-        multiple of 64 (the one-row backward reads ``idx``'s padded width), the deterministic
-        backward (its per-key sums need the sentinel) or ``safe=False``; and only int32
-        contiguous indices (what the kernels take)."""
+    def _kernels_read_caller_indices(self, indices, row_groups: bool) -> bool:
+        """Whether the backward (and the warp-specialised forward) may read the caller's indices
+        instead of rewritten ones: those kernels map every slot outside [0, T_kv) to the sentinel
+        row themselves and mask it (the gathers, the scores, the dKV atomics; ``valid_slot``
+        compares in int64), and row groups read their key lists (the indices are then only the
+        guard's). Not with topk short of a multiple of 64 (one-row kernels read the padded
+        width), the deterministic backward (its per-key sums need the sentinel) or
+        ``safe=False``; and only int32 contiguous indices (what the kernels take)."""
         return (self.safe and not self.deterministic and indices.dtype == torch.int32 and indices.is_contiguous()
-                and (row_groups or indices.shape[-1] == idx.shape[-1]))
+                and (row_groups or indices.shape[-1] == padded_topk(indices.shape[-1])))
 
     def _warp_specialized(self, hg_pad: int, row_groups: bool, backward: bool = False) -> bool:
         """Whether this direction runs its warp-specialised kernel (``sparse_mla_fwd_ws_kernel`` /
@@ -512,7 +529,8 @@ class TileLangBackend:
 
     def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v, nonfinite_flag=None):
         """-> (dq, dkv) from :meth:`save`'s tensors; ``nonfinite_flag`` (int32 [1], device) becomes
-        nonzero when dq or dkv holds NaN/inf (checked in the dKV conversion pass, no extra launch)."""
+        nonzero when dq or dkv holds NaN/inf (dq tested in the warp-specialised kernel's registers,
+        else in the dKV conversion pass with dkv; no extra launch)."""
         from .tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
 
         self._check(q, saved[0], d_v)
@@ -528,12 +546,14 @@ class TileLangBackend:
             qp, dop, outp = (_pad_heads(x, G, hg, hg_pad) for x in (q, grad_out, out))
             lsep = _pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
         B, T, Hp, Dqk = qp.shape
+        dq_checked = False  # whether the kernel tested dq itself (the warp-specialised one)
         if self.deterministic:
             dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad,
                                                    sm_scale, d_v)
         else:
             k_pad = padded_topk(idx.shape[-1])  # (the caller's indices may be unpadded: row groups)
-            if self._warp_specialized(hg_pad, R > 1, backward=True):
+            ws = self._warp_specialized(hg_pad, R > 1, backward=True)
+            if ws:
                 kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), rows_per_block=R)
             else:
                 kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), self.safe,
@@ -541,9 +561,11 @@ class TileLangBackend:
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
             if T > 0:
-                kernel(qp, kv_k, dop, keys, lsep, outp, ext, members, dq, dkv)
+                flag = () if not ws else (self._scratch_flag(q.device) if nonfinite_flag is None else nonfinite_flag,)
+                kernel(qp, kv_k, dop, keys, lsep, outp, ext, members, dq, dkv, *flag)
+            dq_checked = ws and T > 0
         dq = _unpad_heads(dq, G, hg, hg_pad)
-        return dq, finish_backward(dkv, n_kv, kv_k.dtype, dq, nonfinite_flag)
+        return dq, finish_backward(dkv, n_kv, kv_k.dtype, None if dq_checked else dq, nonfinite_flag)
 
     def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad, sm_scale, d_v):
         """dq as usual (one block per query row, no atomics); dkv from per-slot contributions summed

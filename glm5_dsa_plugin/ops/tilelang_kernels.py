@@ -5,10 +5,11 @@ Fixes over the vendored copies (each applies when ``safe=True``, the only mode t
   * padding slots: the host appends one all-zero *sentinel* row to kv (row T_kv of a
     [B, T_kv + 1, G, Dqk] tensor) and, in the same pass that pads topk, rewrites every slot
     outside [0, T_kv) (-1 padding, and anything index validation would reject) to T_kv
-    (``triton_helpers.prepare_indices``, one launch). The backward also selects the sentinel
-    itself for any index outside [0, T_kv) (``gather_row``, ``valid_slot`` in int64), so the
-    backend may hand it the caller's indices as they are; the forward can (``select_in_kernel``),
-    but by default trusts the rewrite: it is what the fix-cost budget buys. Every gather address
+    (``triton_helpers.prepare_indices``, one launch). The backward and the warp-specialised
+    forward with one row per block also select the sentinel themselves for any index outside
+    [0, T_kv) (``gather_row``, ``valid_slot`` in int64), so the backend may hand them the
+    caller's indices as they are (no rewritten copy is then made); the single-warpgroup forward
+    can (``select_in_kernel``), but by default trusts the rewrite. Every gather address
     is a real row, the padding key/value is exactly zero, and no data-dependent branch sits on
     the load itself (the gathers stay asynchronous copies).
     A slot outside [0, T_kv) scores -inf and issues no dKV atomic (its dKV rows are exact zeros);
@@ -18,7 +19,10 @@ Fixes over the vendored copies (each applies when ``safe=True``, the only mode t
     whose rows past the sequence are read as zeros and never written; heads padded and indices
     rewritten by the host wrapper, topk padded to a multiple of the block);
   * the aggressive shared-memory merge is explicitly off: in 0.1.9-0.1.10 it aliased the dKV
-    staging buffer with the live Q tile and produced NaN dq/dkv from finite inputs.
+    staging buffer with the live Q tile and produced NaN dq/dkv from finite inputs;
+  * the warp-specialised backward sets ``Flags[0]`` (int32 [1], its last argument) when dq holds
+    a NaN / inf, tested in registers before the store: the guard's nonfinite check of dq without
+    a pass over it (``_flag_nonfinite``).
 
 Kernels: ``sparse_mla_fwd_kernel`` (one warpgroup; 16/32-row head tiles, row groups, and any tile
 when asked), ``sparse_mla_fwd_ws_kernel`` (warp-specialised: a gather warpgroup feeding two MMA
@@ -216,6 +220,21 @@ def _store_lse(Lse, lse, b, s, h0, seq_len, R, hg, h_blk):
                 Lse[(b, *_tile_row(s, h, h0, R, hg))] = lse[h]
 
 
+@T.macro
+def _flag_nonfinite(Flags, acc, h_blk, width):
+    """Flags[0] = 1 when the fragment acc [h_blk, width] holds a NaN or +-inf (each thread tests its
+    own entries: no cross-thread step, so no barrier among warp-specialised warpgroups). The
+    guard's nonfinite check for what the kernel is about to store, in place of a pass over the
+    stored tensor; a value finite in fp32 that rounds to inf in bf16 (within 0.2% of bf16's
+    largest) is not flagged. Used by the backward for dq (exp41: +0.3% of the kernel, where the
+    scan it replaces costs about 70 us at W2 H64); the same test in the warp-specialised
+    forward's epilogue cost that kernel 10-12% (exp42, and exp38's other form), so the guard
+    scans out and lse itself."""
+    for h, d in T.Parallel(h_blk, width):
+        if T.isnan(acc[h, d]) | T.isinf(acc[h, d]):
+            Flags[0] = 1
+
+
 
 DELTA_COLS = 64  # the backward sums Delta this many columns at a time
 
@@ -406,9 +425,10 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 @built_once
 def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda"):
     """Warp-specialised forward for 64-row tiles (hg a multiple of 64, or row groups with
-    R * hg = 64); the same tensors and results as ``sparse_mla_fwd_kernel`` in safe mode (indices
-    host-rewritten to [0, T_kv] with the zero sentinel row T_kv, gathered as they are, like
-    ``select_in_kernel=False``).
+    R * hg = 64); the same tensors and results as ``sparse_mla_fwd_kernel`` in safe mode. With
+    one row per block it takes any indices (every slot outside [0, T_kv) gathers the zero
+    sentinel row T_kv and is masked; exp42: as fast as gathering rewritten indices); row groups
+    read their key lists, which hold only [0, T_kv].
 
     384 threads in three warpgroups. Warpgroup 2 copies the Q tile (cp.async, its own mbarrier),
     then gathers blocks 2i and 2i + 1 of each pair into kv buffers 0 and 1, each buffer in two
@@ -458,7 +478,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         blk_c = T.min(blk, NI - 1)
         for rr in T.serial(BI // 16):
             e = rr * 16 + tp // 8
-            key = w.Indices[w.b, w.s, w.g, blk_c * BI + e]
+            key = gather_row(w.Indices[w.b, w.s, w.g, blk_c * BI + e], n_kv, R == 1)
             c = tp % 8 * 8
             for u in T.unroll(u0, u1):
                 T.ptx_cp_async(T.access_ptr(kv[e, u * 64 + c], "w", 8),
@@ -858,7 +878,8 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda",
                              mma_regs=216, producer_regs=72):
     """Warp-specialised backward for 64-row tiles; the same tensors and results as
-    ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV). 384 threads in three warpgroups.
+    ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV), plus ``Flags`` (set when dq holds NaN /
+    inf). 384 threads in three warpgroups.
 
     Per 32-slot block, the two MMA warpgroups split the score side: warpgroup 0 computes
     S = Q K^T and P, warpgroup 1 dP = dO V^T and then dS from P (handed over in fp32 through
@@ -1031,6 +1052,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         Members: T.Tensor([B, NG, kv_group, K], members_dtype(R)),
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
         dKV: T.Tensor([B, SKV1, kv_group, D + DT], acc),
+        Flags: T.Tensor([1], T.int32),
     ):
         with T.Kernel(NG, B, kv_group * nh, threads=384) as (bx, b, bz):
             q_s = T.alloc_shared([h_blk, QW], dtype)
@@ -1104,6 +1126,8 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                 if tx >= 128:
                     if nb > 0:
                         tail_chunk(w, nb - 1)
+                _flag_nonfinite(Flags, acc_dq, h_blk, D)
+                _flag_nonfinite(Flags, acc_dqt, h_blk, DT)
                 _store_rows(dQ, acc_dq, b, s, h0, 0, S, R, hg, h_blk, D)
                 _store_rows(dQ, acc_dqt, b, s, h0, D, S, R, hg, h_blk, DT)
             else:

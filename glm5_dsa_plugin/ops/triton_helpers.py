@@ -9,7 +9,7 @@
   entry breaks the index rule (outside {-1} U [0, n_kv)), and optionally kv with the sentinel row.
 * ``finish_backward(dkv32, n_rows, dtype, dq, flags)``: the backward's last pass: dKV (fp32
   accumulator with a sentinel row) -> the caller's dtype without the sentinel, and, in the same
-  launch, ``flags[0] = 1`` when that dKV or ``dq`` holds a NaN or +-inf (the guard's check).
+  launch, ``flags[0] = 1`` when that dKV or ``dq`` (unless None) holds a NaN or +-inf (the guard's check).
 * ``segment_sum_rows(contrib, keys, out, src)``: deterministic scatter-add (the deterministic
   backward's dKV reduction), one program per destination row, fixed summation order.
 All run under ``TRITON_INTERPRET=1`` on CPU (how CI tests them).
@@ -83,11 +83,12 @@ def _finish_backward_kernel(DKV32, DKV, per_batch_in, per_batch_out, n_conv, DQ,
             tl.atomic_max(FLAGS, 1)
 
 
-def finish_backward(dkv32: torch.Tensor, n_rows: int, dtype: torch.dtype, dq: torch.Tensor,
+def finish_backward(dkv32: torch.Tensor, n_rows: int, dtype: torch.dtype, dq: torch.Tensor | None,
                     flags: torch.Tensor | None = None, block: int = 8192) -> torch.Tensor:
     """dkv32 [B, R, ...] fp32 (contiguous) -> dkv [B, n_rows, ...] in ``dtype`` (rows >= n_rows dropped).
     With ``flags`` (int32 [1], device): ``flags[0]`` becomes 1 when the converted dkv or ``dq``
-    holds NaN/inf, in the same launch (no host sync)."""
+    holds NaN/inf, in the same launch (no host sync); ``dq`` None: dkv only (the kernel that
+    wrote dq checked it)."""
     if not dkv32.is_contiguous() or dkv32.dtype != torch.float32:
         raise ValueError("finish_backward: contiguous fp32 dkv expected")
     B, R = dkv32.shape[:2]
@@ -95,8 +96,8 @@ def finish_backward(dkv32: torch.Tensor, n_rows: int, dtype: torch.dtype, dq: to
     out = torch.empty(B, n_rows, *dkv32.shape[2:], dtype=dtype, device=dkv32.device)
     per_in, per_out = R * row, n_rows * row
     n_conv = B * triton.cdiv(per_out, block)
-    dqc = dq.contiguous()
-    n_dq = dqc.numel() if flags is not None else 0
+    dqc = out if dq is None else dq.contiguous()
+    n_dq = dqc.numel() if flags is not None and dq is not None else 0
     grid = n_conv + triton.cdiv(n_dq, block)
     if grid:
         _finish_backward_kernel[(grid,)](dkv32, out, per_in, per_out, n_conv, dqc.view(-1), n_dq,
@@ -106,9 +107,10 @@ def finish_backward(dkv32: torch.Tensor, n_rows: int, dtype: torch.dtype, dq: to
 
 @triton.jit
 def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, n_rows, KV, KVK, per_batch_in, per_batch_out,
-                            COUNTS, block, CHECK: tl.constexpr, COUNT: tl.constexpr, BK: tl.constexpr,
-                            BC: tl.constexpr):
-    """Programs [0, n_rows): one index row each (with COUNT: COUNTS[ceil(extent / block)] += 1).
+                            COUNTS, block, CHECK: tl.constexpr, COUNT: tl.constexpr, REWRITE: tl.constexpr,
+                            BK: tl.constexpr, BC: tl.constexpr):
+    """Programs [0, n_rows): one index row each (with COUNT: COUNTS[ceil(extent / block)] += 1;
+    without REWRITE no OUT is written).
     The rest (when KV is given): copy kv batch by batch into KVK, whose extra last row per batch
     reads as zeros (the sentinel)."""
     row = tl.program_id(0).to(tl.int64)
@@ -121,7 +123,8 @@ def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, n_rows, KV, KV
             x = tl.load(IDX + row * K + cols, mask=cols < K, other=-1)
             ok = (x >= 0) & (x < n_kv)
             bad = tl.maximum(bad, ((x < -1) | (x >= n_kv)).to(tl.int32))
-            tl.store(OUT + row * K_PAD + cols, tl.where(ok, x, n_kv), mask=cols < K_PAD)
+            if REWRITE:
+                tl.store(OUT + row * K_PAD + cols, tl.where(ok, x, n_kv), mask=cols < K_PAD)
             ext = tl.maximum(ext, tl.where(ok, cols + 1, 0))
             c0 += BK
         extent = tl.max(ext, axis=0)
@@ -141,10 +144,13 @@ def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, n_rows, KV, KV
 
 
 def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.Tensor | None = None,
-                    kv: torch.Tensor | None = None, block_counts: torch.Tensor | None = None, block: int = 64):
+                    kv: torch.Tensor | None = None, block_counts: torch.Tensor | None = None, block: int = 64,
+                    rewrite: bool = True):
     """indices [..., K] int32 -> (kernel indices [..., k_pad] int32 in [0, n_kv], extent [...] int32)
     and, when ``kv`` [B, n_kv, ...] is given, also kv with one zero row appended per batch
     ([B, n_kv + 1, ...], the sentinel the rewritten slots read) as a third result.
+    ``rewrite=False`` (K == k_pad): the first result is ``indices`` itself, for kernels that map
+    invalid slots to the sentinel themselves; nothing index-sized is written.
 
     Kernel indices: slot j < K keeps its index if it lies in [0, n_kv), else becomes ``n_kv``;
     slots K..k_pad-1 are ``n_kv``. Extent: 1 + the last position holding a valid index (0: none).
@@ -158,7 +164,9 @@ def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.T
         raise ValueError(f"prepare_indices: k_pad={k_pad} < topk={indices.shape[-1]}")
     idx = indices.contiguous()
     K = idx.shape[-1]
-    out = torch.empty(*idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
+    if not rewrite and k_pad != K:
+        raise ValueError(f"prepare_indices: rewrite=False needs topk == k_pad, got {K} and {k_pad}")
+    out = torch.empty(*idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device) if rewrite else idx
     ext = torch.empty(idx.shape[:-1], dtype=torch.int32, device=idx.device)
     n_rows = ext.numel()
     BC = 4096
@@ -182,7 +190,7 @@ def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.T
                                                     n_rows, kv, kv_k, per_in, per_out,
                                                     ext if block_counts is None else block_counts, block,
                                                     CHECK=flags is not None, COUNT=block_counts is not None,
-                                                    BK=BK, BC=BC)
+                                                    REWRITE=rewrite, BK=BK, BC=BC)
     return (out, ext, kv_k) if with_kv else (out, ext)
 
 
