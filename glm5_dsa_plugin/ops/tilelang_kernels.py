@@ -185,13 +185,16 @@ def gather_row(idx, n_rows, select):
 
 
 @T.macro
-def _finish_rows(acc_o, row_sum, m, scale2, h_blk, width):
-    """Forward epilogue on a tile (safe mode): acc_o [h_blk, width] /= row_sum and row_sum becomes
-    the natural lse; empty rows (row_sum == 0) get out 0 and lse EMPTY_ROW_LSE. The test is
-    ``!= 0``: a NaN row sum (NaN or inf among the row's inputs) fails ``> 0``, which made such
-    rows empty rows, zeros the guard cannot see; with ``!= 0`` they stay NaN."""
+def _finish_rows(acc_o, row_sum, m, inv, scale2, h_blk, width):
+    """Forward epilogue on a tile (safe mode): acc_o [h_blk, width] *= 1 / row_sum (``inv`` [h_blk]
+    holds the reciprocals: one division per row, not one per entry) and row_sum becomes the
+    natural lse; empty rows (row_sum == 0) get out 0 and lse EMPTY_ROW_LSE. The test is ``!= 0``:
+    a NaN row sum (NaN or inf among the row's inputs) fails ``> 0``, which made such rows empty
+    rows, zeros the guard cannot see; with ``!= 0`` they stay NaN."""
+    for h in T.Parallel(h_blk):
+        inv[h] = T.if_then_else(row_sum[h] != 0, 1.0 / row_sum[h], 0)
     for h, d in T.Parallel(h_blk, width):
-        acc_o[h, d] = T.if_then_else(row_sum[h] != 0, acc_o[h, d] / row_sum[h], 0)
+        acc_o[h, d] = T.if_then_else(row_sum[h] != 0, acc_o[h, d] * inv[h], 0)
     for h in T.Parallel(h_blk):
         row_sum[h] = T.if_then_else(row_sum[h] != 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2, EMPTY_ROW_LSE)
 
@@ -642,7 +645,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         T.barrier_wait(w.sum_full, 0)
         for h in T.Parallel(h_blk):
             w.row_sum[h] = w.sum_s[0, h] + w.sum_s[1, h]
-        _finish_rows(w.acc_o, w.row_sum, w.m, scale2, h_blk, DH)
+        _finish_rows(w.acc_o, w.row_sum, w.m, w.alpha, scale2, h_blk, DH)
         if R == 1:
             # the Q tile is dead (both warpgroups' scores are done: sum_full): this warpgroup's
             # columns of out go through it as bf16, then out in 16-byte coalesced stores (a warp
