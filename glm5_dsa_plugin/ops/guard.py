@@ -5,8 +5,9 @@ Policy (per process): env ``GLM5_DSA_NONFINITE=fallback|raise|off`` or :func:`co
 Detection: after each fast-backend call, one device-side finiteness pass over the outputs
 (out/lse forward, dq/dkv backward; Triton on CUDA) into an int32 flag buffer. A backend with
 ``reports_nonfinite`` sets the backward's flag itself, in work it does anyway (TileLang: dq
-tested in the warp-specialised kernel's registers, dKV in its conversion pass). The forward's flags also carry the deferred index-validation
-flag of a backend memory-safe for any index (see ``backends.Backend``).
+tested in the warp-specialised kernel's registers, dKV in its conversion pass). The forward's
+flags also carry the deferred index-validation flag of a backend memory-safe for any index (see
+``backends.Backend``).
 
 When the flags are read: on CUDA under ``fallback`` (and ``off``, for the index flag) no call
 that autograd records reads them itself. The repair runs on the device behind the kernels

@@ -412,7 +412,7 @@ class TileLangBackend:
         n_blocks = padded_topk(indices.shape[-1]) // block
         ws = self._warp_specialized(hg_pad, use_groups)
         buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
-        # (count_into is None for >= 64 heads per group: no row-group lists to build from a rewrite)
+        # (only with >= 64 heads per group: no row-group lists are built from rewritten indices there)
         forward_reads_caller = ws and not use_groups and self._kernels_read_caller_indices(indices, False)
         saved = self.save(kv, indices, index_flag, block_counts=counts, block=block,
                           rewrite=not forward_reads_caller)

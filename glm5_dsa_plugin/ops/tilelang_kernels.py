@@ -238,7 +238,6 @@ def _flag_nonfinite(Flags, acc, h_blk, width):
             Flags[0] = 1
 
 
-
 DELTA_COLS = 64  # the backward sums Delta this many columns at a time
 
 
@@ -645,7 +644,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         T.barrier_wait(w.sum_full, 0)
         for h in T.Parallel(h_blk):
             w.row_sum[h] = w.sum_s[0, h] + w.sum_s[1, h]
-        _finish_rows(w.acc_o, w.row_sum, w.m, w.alpha, scale2, h_blk, DH)
+        _finish_rows(w.acc_o, w.row_sum, w.m, w.alpha, scale2, h_blk, DH)  # (alpha is dead: the reciprocals)
         if R == 1:
             # the Q tile is dead (both warpgroups' scores are done: sum_full): this warpgroup's
             # columns of out go through it as bf16, then out in 16-byte coalesced stores (a warp

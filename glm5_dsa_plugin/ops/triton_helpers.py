@@ -9,7 +9,8 @@
   entry breaks the index rule (outside {-1} U [0, n_kv)), and optionally kv with the sentinel row.
 * ``finish_backward(dkv32, n_rows, dtype, dq, flags)``: the backward's last pass: dKV (fp32
   accumulator with a sentinel row) -> the caller's dtype without the sentinel, and, in the same
-  launch, ``flags[0] = 1`` when that dKV or ``dq`` (unless None) holds a NaN or +-inf (the guard's check).
+  launch, ``flags[0] = 1`` when that dKV or ``dq`` (unless None) holds a NaN or +-inf (the
+  guard's check).
 * ``segment_sum_rows(contrib, keys, out, src)``: deterministic scatter-add (the deterministic
   backward's dKV reduction), one program per destination row, fixed summation order.
 All run under ``TRITON_INTERPRET=1`` on CPU (how CI tests them).
@@ -96,7 +97,7 @@ def finish_backward(dkv32: torch.Tensor, n_rows: int, dtype: torch.dtype, dq: to
     out = torch.empty(B, n_rows, *dkv32.shape[2:], dtype=dtype, device=dkv32.device)
     per_in, per_out = R * row, n_rows * row
     n_conv = B * triton.cdiv(per_out, block)
-    dqc = out if dq is None else dq.contiguous()
+    dqc = out if dq is None else dq.contiguous()  # (None: a placeholder pointer, n_dq = 0, never read)
     n_dq = dqc.numel() if flags is not None and dq is not None else 0
     grid = n_conv + triton.cdiv(n_dq, block)
     if grid:
