@@ -260,6 +260,18 @@ NONFINITE_PATHS = [
 ]
 
 
+def _nonfinite_case(H, T=256, T_kv=2048, K=128):
+    """(gen, q, kv, idx, grad) for the nonfinite tests: fresh random bf16 q [1, T, H, 576], kv, dO,
+    indices in [-1, T_kv) (topk K), row 9 empty; the tests then plant their bad values."""
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(-1, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
+    idx[0, 9] = -1  # an empty row
+    grad = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return gen, q, kv, idx, grad
+
+
 @pytest.mark.parametrize("H,options", NONFINITE_PATHS)
 def test_nonfinite_inputs_come_out_nonfinite(H, options):
     """A NaN in a selected kv row, a NaN in q and an inf in q that makes a score +inf come out
@@ -271,19 +283,14 @@ def test_nonfinite_inputs_come_out_nonfinite(H, options):
     and matches the reference."""
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, _kernel_lists
 
-    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    T, T_kv, K = 256, 2048, 128
-    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-    idx = torch.randint(-1, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
-    idx[0, 9] = -1  # an empty row
+    T, T_kv = 256, 2048
+    gen, q, kv, idx, grad = _nonfinite_case(H, T, T_kv)
     idx[0, [40, 150], 0, 0] = torch.randperm(T_kv, generator=gen, device="cuda")[:2].to(torch.int32)
     key = int(idx[0, 40, 0, 0])  # selected by row 40 and, at random, by about 6% of the rows
     kv[0, key, 0, 10] = float("nan")
     q[0, 77, H // 2, 100] = float("nan")
     kv[0, int(idx[0, 150, 0, 0]), 0, 5] = 1.0  # so that q[150, 1, 5] = +inf gives a +inf score
     q[0, 150, 1, 5] = float("inf")
-    grad = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     be = TileLangBackend(**options)
     out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)  # as the op runs it: both directions
     dq, dkv = be.backward_saved(q, saved, out, lse, grad, SCALE, 512)  # on the same row groups
@@ -316,13 +323,7 @@ def test_backward_flags_exactly_its_nonfinite_outputs(H, options, case):
     one row of dO is NaN (the forward stays finite)."""
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
-    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    T, T_kv, K = 256, 2048, 128
-    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-    idx = torch.randint(-1, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
-    idx[0, 9] = -1  # an empty row
-    grad = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    _, q, kv, idx, grad = _nonfinite_case(H)
     if case == "inf_value":
         key = int(idx[0, 60].max())
         kv[0, key, 0, 7] = float("inf")
