@@ -412,10 +412,11 @@ class TileLangBackend:
         n_blocks = padded_topk(indices.shape[-1]) // block
         ws = self._warp_specialized(hg_pad, use_groups)
         buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
-        # (only with >= 64 heads per group: no row-group lists are built from rewritten indices there)
-        forward_reads_caller = ws and not use_groups and self._kernels_read_caller_indices(indices, False)
+        caller_ok = self._kernels_read_caller_indices(indices, use_groups)
+        # the one-row warp-specialised forward reads them too: no rewritten copy at all (>= 64 heads
+        # per group, where no row-group lists are built from rewritten indices)
         saved = self.save(kv, indices, index_flag, block_counts=counts, block=block,
-                          rewrite=not forward_reads_caller)
+                          rewrite=not (caller_ok and ws and not use_groups))
         if use_groups or count_into is not None:  # (counting builds the lists in one-row calls too)
             lists = group_keys(saved[1], kv.shape[1], group_rows)
             if count_into is not None:  # group entries vs the slots one-row blocks run
@@ -434,7 +435,7 @@ class TileLangBackend:
                 kernel(qp, kv_k, keys, ext, members, out, lse)
         if last is not None:
             last.record(counts)
-        if self._kernels_read_caller_indices(indices, len(saved) > 3):
+        if caller_ok:
             saved = (saved[0], indices, *saved[2:])
         return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
 
