@@ -120,14 +120,14 @@ def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
                                   rows_per_block=R, target=SM90)
     src = k.get_kernel_source()
     tests = re.findall(r"\(row_sum\w*\[[^\]]*\] != 0x0p\+0f", src)
-    # ws: the reciprocal, out and lse, per MMA warpgroup; classic: out and lse
-    assert len(tests) == (6 if kind == "ws" else 2), tests
+    # the reciprocal, out and lse (ws: per MMA warpgroup)
+    assert len(tests) == (6 if kind == "ws" else 3), tests
     assert not re.search(r"< row_sum|row_sum\w*\[[^\]]*\] >", src)
-    # ws: one division per row, none per entry of out (exp44: 128 divisions per thread, each with
-    # its slow-path branch, made most of that kernel's code)
-    if kind == "ws":
-        divisions = re.findall(r"(\S+) / row_sum\d\[", src)
-        assert divisions == ["(0x1p+0f/*1.000000e+00*/"] * 2, divisions  # the reciprocals, per MMA warpgroup
+    # one division per row, none per entry of out (exp44: 128 divisions per thread, each with its
+    # slow-path branch, made most of the ws kernel's code; exp47: the classic epilogue likewise)
+    divisions = re.findall(r"(\S+) / row_sum\w*\[", src)
+    # the reciprocals: per MMA warpgroup (ws), once (classic)
+    assert divisions == ["(0x1p+0f/*1.000000e+00*/"] * (2 if kind == "ws" else 1), divisions
 
 
 @pytest.mark.parametrize("ws,heads,R", [(True, 64, 1), (True, 8, 8), (False, 16, 1), (False, 16, 4)])
@@ -250,6 +250,27 @@ def test_warp_specialized_backward_builds_and_fits(heads, R):
     nan_test = r"\((\w+)\[\w+\] != \1\[\w+\]\) \| \(\(fabsf\(\1\[\w+\]\) == CUDART_INF_F\)"
     assert set(re.findall(nan_test, src[:drain])) == {"acc_dq", "acc_dqt"} and not re.findall(nan_test, src[drain:])
     assert src.index("Flags[0] = 1;") < src.index("(dQ + ") and src.count("Flags[0] = 1;") == 2
+    # the prologue (exp47): the gather warpgroup issues block 0's copies before the Q / dO tiles
+    # load; the tiles load in 16-byte vectors (but for the rows ``vector_rows`` leaves over); dO is
+    # read from global memory there only (the row delta reads the shared tile)
+    prologue = src[:src.index("warpgroup_reg_alloc")]
+    assert prologue.index("cp_async_gs<16>") < prologue.index("((bfloat16_t*)q_s)")
+    for tile in ("q_s", "do_s"):
+        assert f"*(uint4*)(((bfloat16_t*){tile})" in prologue
+        assert prologue.count(f"*(uint1*)(((bfloat16_t*){tile})") <= 1  # the left-over rows' loop
+    assert src.rfind("(dO + ") < len(prologue)
+
+
+@pytest.mark.parametrize("rows,width,threads", [(64, 512, 384), (64, 576, 384), (64, 64, 384), (64, 512, 256),
+                                                (48, 320, 384), (16, 64, 128)])
+def test_vector_rows_splits_a_tile_into_whole_vectors(rows, width, threads):
+    """``vector_rows`` leaves the largest leading row count whose elements divide into 8-element
+    vectors for every thread, and fewer rows than one such step after it."""
+    from glm5_dsa_plugin.ops.tilelang_kernels import vector_rows
+
+    split = vector_rows(rows, width, threads)
+    assert 0 <= split <= rows and split * width % (threads * 8) == 0
+    assert all((split + extra) * width % (threads * 8) for extra in range(1, rows - split + 1))
 
 
 def test_warp_specialized_backward_choice():

@@ -41,6 +41,7 @@ other rows of its block as well (0 * NaN); the guard repairs them like any other
 
 
 import functools
+import math
 import threading
 from types import SimpleNamespace
 
@@ -242,20 +243,46 @@ DELTA_COLS = 64  # the backward sums Delta this many columns at a time
 
 
 @T.macro
-def _row_delta(w, od, od_sum, delta, seq_len, load_rows, h_blk, d_v):
+def _row_delta(w, od, od_sum, delta, seq_len, load_rows, h_blk, d_v, do_from_shared=False, unrolled=False):
     """Backward prologue: w.delta_s[h] = rowsum(O * dO) over the tile's rows, DELTA_COLS columns
-    at a time (od [h_blk, DELTA_COLS]: a small fragment beside the dQ accumulator)."""
+    at a time (od [h_blk, DELTA_COLS]: a small fragment beside the dQ accumulator).
+    ``do_from_shared``: dO from the tile already in w.do_s (the caller synchronised after
+    loading it) instead of global memory; ``unrolled``: the column steps unrolled, so every
+    step's O load can be in flight at once (the warp-specialised backward, exp47: -2.6% of the
+    W2 H64 kernel with one-row tiles, +1.8% at H8 with row groups of 8, where it stays serial)."""
     T.clear(delta)
-    for c in T.serial(d_v // DELTA_COLS):
+    for c in (T.unroll(d_v // DELTA_COLS) if unrolled else T.serial(d_v // DELTA_COLS)):
         for h, d in T.Parallel(h_blk, DELTA_COLS):
             od[h, d] = (T.cast(load_rows(w.O, w.b, w.s, w.h0, h, c * DELTA_COLS + d, seq_len), T.float32)
-                        * T.cast(load_rows(w.dO, w.b, w.s, w.h0, h, c * DELTA_COLS + d, seq_len), T.float32))
+                        * (T.cast(w.do_s[h, c * DELTA_COLS + d], T.float32) if do_from_shared
+                           else T.cast(load_rows(w.dO, w.b, w.s, w.h0, h, c * DELTA_COLS + d, seq_len), T.float32)))
         T.reduce_sum(od, od_sum, dim=1)
         for h in T.Parallel(h_blk):
             delta[h] = delta[h] + od_sum[h]
     # staged through shared memory: the block loop reads it in the gemm's own layout
     for h in T.Parallel(h_blk):
         w.delta_s[h] = delta[h]
+
+
+def vector_rows(rows: int, width: int, threads: int, vec: int = 8) -> int:
+    """The leading rows of a [rows, width] tile that a ``T.Parallel`` copy by ``threads`` threads
+    moves in whole ``vec``-element vectors (their element count a multiple of threads * vec).
+    TileLang 0.1.15 vectorises a copy whose elements do not divide evenly among the threads
+    only 2 or 1 elements wide: 64 x 512 by 384 threads became 43 predicated 4-byte loads per
+    thread (exp47: loading 60 + 4 rows instead took 4.0% off the W2 H64 backward kernel)."""
+    step = threads * vec // math.gcd(threads * vec, width)
+    return rows - rows % step
+
+
+@T.macro
+def _load_tile(dst, src, b, s, h0, seq_len, load_rows, rows, split, width, src_col0):
+    """dst[h, d] = src row h, column src_col0 + d ([rows, width]) as two copies: rows [0, split)
+    (whole vectors per thread, see ``vector_rows``) and [split, rows)."""
+    for h, d in T.Parallel(split, width):
+        dst[h, d] = load_rows(src, b, s, h0, h, src_col0 + d, seq_len)
+    if split < rows:
+        for h, d in T.Parallel(rows - split, width):
+            dst[split + h, d] = load_rows(src, b, s, h0, split + h, src_col0 + d, seq_len)
 
 
 @T.macro
@@ -396,8 +423,12 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                 if safe:
                     # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE; a NaN row sum stays NaN
                     # (``!= 0``, as in _finish_rows)
+                    # one reciprocal per row (alpha is dead after the loop), as in _finish_rows
+                    # (exp47: -1.5% of the 16-row one-row forward at W1 / W2)
+                    for h in T.Parallel(h_blk):
+                        alpha[h] = T.if_then_else(row_sum[h] != 0, 1.0 / row_sum[h], 0)
                     for h, d in T.Parallel(h_blk, D):
-                        acc_o[h, d] = T.if_then_else(row_sum[h] != 0, acc_o[h, d] / row_sum[h], 0)
+                        acc_o[h, d] = T.if_then_else(row_sum[h] != 0, acc_o[h, d] * alpha[h], 0)
                     for h in T.Parallel(h_blk):
                         row_sum[h] = T.if_then_else(
                             row_sum[h] != 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2, EMPTY_ROW_LSE
@@ -897,7 +928,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     and gathers the next block's kv rows with cp.async as soon as the dQ MMAs are done with the
     buffer. Shared memory: Q and dO (139 KB) + kv (37 KB) + chunk buffers (35 KB) + P (bf16 and
     fp32), dS. Registers per thread: 216 / 216 / 72 (exp24: 4-5% faster than 232 / 232 / 40;
-    the drain's atomics and the gathers want more than 40)."""
+    the drain's atomics and the gathers want more than 40). Prologue (nothing overlaps it: one
+    CTA per SM): block 0's gather is issued first, the Q / dO tiles load in 16-byte vectors
+    (``vector_rows``), and Delta reads dO from its shared tile (exp47: together 6.4% off the W2
+    H64 kernel, 4.9% at W1)."""
     R = rows_per_block
     assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
@@ -1099,14 +1133,6 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             h0 = g * hg + (bz % nh) * h_blk
             nb = T.min(slot_blocks(Extent[b, s, g], BS), NS)
             tx = T.get_thread_binding()
-            if one_tile:
-                for h, d in T.Parallel(h_blk, D + DT):
-                    q_s[h, d] = load_rows(Q, b, s, h0, h, d, S)
-                for h, d in T.Parallel(h_blk, D):
-                    do_s[h, d] = load_rows(dO, b, s, h0, h, d, S)
-            else:
-                _load_q_do(Q, dO, q_s, qt_s, do_s, b, s, h0, S, load_rows, h_blk, D, DT)
-            T.sync_threads()
             # Q and the kv block as (first d_v columns, rope tail) GEMM operands
             q_parts = (q_s[0:h_blk, 0:D], q_s[0:h_blk, D:D + DT]) if one_tile else (q_s, qt_s)
             kv_parts = (kv_s[0:BS, 0:D], kv_s[0:BS, D:D + DT]) if one_tile else (kv_s, kt_s)
@@ -1118,11 +1144,22 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                                 ch_s=(ch_s0, ch_s1), acc_t=(acc_t0, acc_t1), ch_full=((ch_full00, ch_full01), (ch_full10, ch_full11)),
                                 ch_free=((ch_free00, ch_free01), (ch_free10, ch_free11)),
                                 step_done=step_done)
+            # the gather warpgroup starts block 0's kv rows before the prologue loads (exp47: -1.4%
+            # of the W2 H64 kernel, -1.9% at H8)
+            if tx >= 256:
+                if nb > 0:
+                    gather(w, 0)
+            # Q and dO tiles by all 384 threads, in whole 16-byte vectors where the split allows
+            _load_tile(q_s, Q, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, QW, 384), QW, 0)
+            if not one_tile:
+                _load_tile(qt_s, Q, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, DT, 384), DT, D)
+            _load_tile(do_s, dO, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, D, 384), D, 0)
+            T.sync_threads()
             if tx < 256:
                 T.set_max_nreg(mma_regs, 1)
                 T.clear(acc_dq)
                 T.clear(acc_dqt)
-                _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D)
+                _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D, do_from_shared=True, unrolled=one_tile)
                 for i in T.serial(nb):
                     step(w, i)
                 if tx >= 128:
@@ -1136,8 +1173,6 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                 # 3 x 168 registers per thread at launch: the three warpgroups' counts must sum to at
                 # most 504, or setmaxnreg.inc waits forever
                 T.set_max_nreg(producer_regs, 0)
-                if nb > 0:
-                    gather(w, 0)
                 for i in T.serial(nb):
                     if i + 1 < nb:
                         T.barrier_wait(kv_free, i & 1)
