@@ -11,7 +11,8 @@ from glm5_dsa_plugin import cards, conversion, te_compat
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 te_compat.install()  # without TE, megatron.bridge imports only behind the guard
-bridge_mod = pytest.importorskip("glm5_dsa_plugin.bridge", reason="megatron-bridge not installed")
+# (glm5_dsa_plugin.bridge raises ImportError with install instructions, not ModuleNotFoundError)
+bridge_mod = pytest.importorskip("glm5_dsa_plugin.bridge", reason="megatron-bridge not installed", exc_type=ImportError)
 
 
 @pytest.fixture(scope="module")

@@ -434,8 +434,11 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                             row_sum[h] != 0, (T.log2(row_sum[h]) + m[h] * scale2) * LN2, EMPTY_ROW_LSE
                         )
                 else:
+                    # (the same reciprocal, so both modes stay bitwise equal on fully valid rows)
+                    for h in T.Parallel(h_blk):
+                        alpha[h] = 1.0 / row_sum[h]
                     for h, d in T.Parallel(h_blk, D):
-                        acc_o[h, d] = acc_o[h, d] / row_sum[h]
+                        acc_o[h, d] = acc_o[h, d] * alpha[h]
                     for h in T.Parallel(h_blk):
                         row_sum[h] = (T.log2(row_sum[h]) + m[h] * scale2) * LN2
                 if R == 1:
