@@ -66,6 +66,7 @@ def test_production_shape_ragged_rows(H):
         (1, 100, 333, 64, 1, 100, 512),  # topk not a multiple of 64
         (1, 180, 250, 24, 1, 64, 512),  # heads per group padded to 32
         (1, 160, 300, 16, 1, 128, 256),  # d_v 256 + 64
+        (1, 130, 300, 64, 1, 128, 256),  # d_v 256 + 64, one row per block (tiles split by vector_rows)
         (1, 64, 64, 8, 1, 4096, 512),  # topk 4096, mostly padding
     ],
 )

@@ -217,8 +217,9 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
     assert "Flags" not in src
 
 
-@pytest.mark.parametrize("heads,R", [(64, 1), (128, 1), (8, 8), (16, 4), (32, 2)])
-def test_warp_specialized_backward_builds_and_fits(heads, R):
+@pytest.mark.parametrize("heads,R,d_v", [(64, 1, 512), (128, 1, 512), (8, 8, 512), (16, 4, 512), (32, 2, 512),
+                                         (64, 1, 256)])
+def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     """The warp-specialised backward builds for sm_90a within 227 KiB; its gather/drain warpgroup
     copies with cp.async and issues the dKV vector atomics; TileLang's partial barriers stay in
     the MMA warpgroups; the three setmaxnreg counts fit the 3 x 168 registers per thread given
@@ -231,7 +232,7 @@ def test_warp_specialized_backward_builds_and_fits(heads, R):
 
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
 
-    k = sparse_mla_bwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
+    k = sparse_mla_bwd_ws_kernel(heads, d_v, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
     src = k.get_kernel_source()
     assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM
     (mma,) = re.findall(r"warpgroup_reg_alloc<(\d+)>", src)
