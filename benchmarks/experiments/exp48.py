@@ -5,32 +5,24 @@ Triton scan of out + lse that the test would replace. Checks: out / lse bitwise 
 tree's, Flags 0 on clean inputs, 1 with a NaN in q and with an inf in a selected kv row. The
 test is worth landing only if its kernel cost is below the scan's (65 us at W2 H64 in v22)."""
 import json, os, statistics, sys, time
-import torch, triton.testing
-sys.path.insert(0, os.getcwd())
+import torch
+sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import DV, SCALE, bench, workload
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops import _exp48 as ex
 from glm5_dsa_plugin.ops.guard import _flag_nonfinite
 from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, _kernel_lists
-from glm5_dsa_plugin.ops.workloads import w1_indices, w2_indices
-SCALE, DV = 256**-0.5, 512
 OUT = os.environ.get("OUT", ".")
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=5, rep=100, return_mode="median")
 
 
 res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"), rows={})
 args = (64, DV, 64, 2048, 1, float(SCALE))
 tree_k, flag_k = tk.sparse_mla_fwd_ws_kernel(*args, rows_per_block=1), ex.sparse_mla_fwd_ws_kernel(*args, rows_per_block=1)
 for wl in ("W2", "W1"):
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    T = 4096
-    idx, T_kv = (w1_indices(T, 8192, 2048, gen)[None], 8192) if wl == "W1" else (w2_indices(T, 2048, gen)[None], T)
-    q = torch.randn(1, T, 64, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q, kv, idx, _ = workload(wl, 64, seed=7)
+    T = q.shape[1]
     be = TileLangBackend()
-    _, _, saved = be.forward_saving(q, kv, idx.contiguous(), SCALE, DV)
+    _, _, saved = be.forward_saving(q, kv, idx, SCALE, DV)
     kv_k = saved[0]
     _, keys, members, ext = _kernel_lists(saved)
     o1, l1 = torch.empty(1, T, 64, DV, dtype=q.dtype, device="cuda"), torch.empty(1, T, 64, device="cuda")

@@ -3,32 +3,22 @@ Q tile (make_exp49.py; run it first, from the repository root) against the tree'
 TileLangBackend.backward_saved with the kernel builder patched in turn, alternating rounds, W2 H64
 and W1 H64 (one row per block). dq must be bitwise equal (same values, another store path)."""
 import json, os, statistics, sys, time
-import torch, triton.testing
-sys.path.insert(0, os.getcwd())
+import torch
+sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import DV, SCALE, bench, workload
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops import _exp49 as ex
 from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
-from glm5_dsa_plugin.ops.workloads import w1_indices, w2_indices
-SCALE, DV = 256**-0.5, 512
 OUT = os.environ.get("OUT", ".")
 TREE = tk.sparse_mla_bwd_ws_kernel
 VARIANTS = {"tree": TREE, "staged_dq": ex.sparse_mla_bwd_ws_kernel}
 
 
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=5, rep=120, return_mode="median")
-
-
 res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"), rows={})
 for wl in ("W2", "W1"):
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    T = 4096
-    idx, T_kv = (w1_indices(T, 8192, 2048, gen)[None], 8192) if wl == "W1" else (w2_indices(T, 2048, gen)[None], T)
-    q = torch.randn(1, T, 64, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(1, T, 64, DV, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q, kv, idx, g = workload(wl, 64, seed=11)
     be = TileLangBackend()
-    out, lse, saved = be.forward_saving(q, kv, idx.contiguous(), SCALE, DV)
+    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, DV)
     dqs = {}
     for name, builder in VARIANTS.items():
         tk.sparse_mla_bwd_ws_kernel = builder
