@@ -7,6 +7,8 @@
 #   skip those parts (a device call is limited to 10 min: pytest ~5, bench ~4.5, variants ~2.5, so
 #   pytest and the bench go in separate calls: PYTEST=1 BENCH=0, then PYTEST=0).
 # Usage on the device machine (after unpacking the bundle, see README):  bash scripts/gpu_check_all.sh
+# LAUNCHERS=1 needs Megatron-Bridge importable (the LoRA job uses megatron.bridge.peft): pip install
+#   --no-deps megatron-bridge==0.6.2 omegaconf, or wheels of both carried in the bundle.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-.}
