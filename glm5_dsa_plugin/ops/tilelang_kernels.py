@@ -954,6 +954,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     HALF = NCV // 2  # the other NCV - HALF and the rope tail (chunk index NCV)
     N_OWN = (HALF, NCV - HALF + 1)
     CP = 64 + 4  # chunk buffer row stride (floats): the fragment stores of 8 rows x 4 slot pairs hit 32 banks
+    THREADS = 384  # two MMA warpgroups and the gather / drain warpgroup
     scale, scale2 = float(sm_scale), float(sm_scale) * LOG2E
     dtype, acc = T.bfloat16, T.float32
     B, S, SKV1 = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("kv_rows")
@@ -1094,7 +1095,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         dKV: T.Tensor([B, SKV1, kv_group, D + DT], acc),
         Flags: T.Tensor([1], T.int32),
     ):
-        with T.Kernel(NG, B, kv_group * nh, threads=384) as (bx, b, bz):
+        with T.Kernel(NG, B, kv_group * nh, threads=THREADS) as (bx, b, bz):
             q_s = T.alloc_shared([h_blk, QW], dtype)
             qt_s = T.alloc_shared([h_blk, DT], dtype) if not one_tile else None
             do_s = T.alloc_shared([h_blk, D], dtype)
@@ -1153,11 +1154,11 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             if tx >= 256:
                 if nb > 0:
                     gather(w, 0)
-            # Q and dO tiles by all 384 threads, in whole 16-byte vectors where the split allows
-            _load_tile(q_s, Q, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, QW, 384), QW, 0)
+            # Q and dO tiles by all threads, in whole 16-byte vectors where the split allows
+            _load_tile(q_s, Q, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, QW, THREADS), QW, 0)
             if not one_tile:
-                _load_tile(qt_s, Q, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, DT, 384), DT, D)
-            _load_tile(do_s, dO, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, D, 384), D, 0)
+                _load_tile(qt_s, Q, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, DT, THREADS), DT, D)
+            _load_tile(do_s, dO, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, D, THREADS), D, 0)
             T.sync_threads()
             if tx < 256:
                 T.set_max_nreg(mma_regs, 1)
