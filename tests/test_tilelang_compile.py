@@ -227,7 +227,8 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     score side is split between the MMA warpgroups (session 14): warpgroup 0 computes all 32
     slots' scores (m64n32; with one row per block Q and kv are [rows, 576] tiles, so one 576-deep
     GEMM; row groups keep them split at d_v, two GEMMs), warpgroup 1 dO V^T (one m64n32 GEMM);
-    no GEMM splits the slots between the warpgroups (m64n16) any more."""
+    no GEMM splits the slots between the warpgroups (m64n16) any more. One row per block stores
+    dq through the dead Q tile (exp49)."""
     import re
 
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
@@ -260,6 +261,16 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
         assert f"*(uint4*)(((bfloat16_t*){tile})" in prologue
         assert prologue.count(f"*(uint1*)(((bfloat16_t*){tile})") <= 1  # the left-over rows' loop
     assert src.rfind("(dO + ") < len(prologue)
+    # one row per block stores dq's d_v columns from the dead Q tile in 16-byte stores, behind a
+    # barrier of both MMA warpgroups (exp49); row groups (and the rope tail) from the fragment
+    staged = re.findall(r"\*\(uint4\*\)\(dQ \+ .*= \*\(uint4\*\)\(\(\(bfloat16_t\*\)q_s\)", src[:drain])
+    assert len(staged) == (R == 1) and src[:drain].count("*(uint1*)(dQ + ") == (1 if R == 1 else 2)
+    if R == 1:
+        # both MMA warpgroups meet after the last wgmma that reads the Q tile and before dq goes
+        # into it, and again before the tile is read back for the global stores
+        to_tile = src.index("*(uint1*)(((bfloat16_t*)q_s)", src.index("Flags[0] = 1;"))
+        last_q_read = src.rindex("(&(((bfloat16_t*)q_s)[0]))", 0, to_tile)
+        assert ", 256);" in src[last_q_read:to_tile] and ", 256);" in src[to_tile:src.index(staged[0])]
 
 
 @pytest.mark.parametrize("rows,width,threads", [(64, 512, 384), (64, 576, 384), (64, 64, 384), (64, 512, 256),

@@ -935,7 +935,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     the drain's atomics and the gathers want more than 40). Prologue (nothing overlaps it: one
     CTA per SM): block 0's gather is issued first, the Q / dO tiles load in 16-byte vectors
     (``vector_rows``), and Delta reads dO from its shared tile (exp47: together 6.4% off the W2
-    H64 kernel, 4.9% at W1)."""
+    H64 kernel, 4.9% at W1). R = 1 stores dq through the dead Q tile in 16-byte stores (exp49)."""
     R = rows_per_block
     assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
@@ -1172,7 +1172,16 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                         tail_chunk(w, nb - 1)
                 _flag_nonfinite(Flags, acc_dq, h_blk, D)
                 _flag_nonfinite(Flags, acc_dqt, h_blk, DT)
-                _store_rows(dQ, acc_dq, b, s, h0, 0, S, R, hg, h_blk, D)
+                if one_tile:
+                    # dq through the Q tile's first d_v columns, then 16-byte coalesced stores, as the
+                    # forward stores out (exp49: 1.2-1.3% off the kernel at W1 / W2 H64, dq bitwise
+                    # the same). Each warpgroup writes its own columns; TileLang's 256-thread barriers
+                    # fall between the last GEMM that reads the tile and these stores, and before the
+                    # read-back (tests/test_tilelang_compile.py checks both).
+                    T.copy(acc_dq, q_s[0:h_blk, 0:D])
+                    T.copy(q_s[0:h_blk, 0:D], dQ[b, s, h0:h0 + h_blk, 0:D])
+                else:
+                    _store_rows(dQ, acc_dq, b, s, h0, 0, S, R, hg, h_blk, D)
                 _store_rows(dQ, acc_dqt, b, s, h0, D, S, R, hg, h_blk, DT)
             else:
                 # 3 x 168 registers per thread at launch: the three warpgroups' counts must sum to at
