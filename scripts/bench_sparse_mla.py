@@ -147,6 +147,7 @@ def guard_repair_cost(gen, frac=0.01):
     class OnePercentNaN(TileLangBackend):
         name = "tilelang_nan1pct"
         reports_nonfinite = False  # NaN is written after the kernels: the guard scans itself
+        finite_out_lse_bound = None  # (out too: its lse stays usual)
 
         def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
             out, lse, saved = super().forward_saving(q, kv, indices, sm_scale, d_v, index_flag)
@@ -440,6 +441,17 @@ def main():
         flags = torch.zeros(2, dtype=torch.int32, device="cuda")
         o_, l_ = sparse_mla(q.detach(), kv.detach(), idx, SCALE, d_v=D_V, backend="tilelang")
         extra["W2_H64_guard_scan_fwd_ms"] = bench(lambda: flag_nonfinite(o_, flags, 1, l_))
+        # what the guard runs for the TileLang backend (kv clean: lse read, out rows only if unusual)
+        from glm5_dsa_plugin.ops import EMPTY_ROW_LSE
+        from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, KV_SUSPECT_SLOT
+        from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+        from glm5_dsa_plugin.ops.triton_helpers import flag_nonfinite_forward
+
+        gated = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
+        bound = TileLangBackend().finite_out_lse_bound(SCALE, idx.shape[-1])
+        extra["W2_H64_guard_check_fwd_gated_ms"] = bench(
+            lambda: flag_nonfinite_forward(o_, l_, gated, 1, KV_SUSPECT_SLOT, bound, EMPTY_ROW_LSE))
+        assert gated.tolist() == [0] * FLAG_SLOTS
         dq_, dkv_ = torch.randn_like(q), torch.randn_like(kv)
         extra["W2_H64_guard_scan_bwd_ms"] = bench(lambda: flag_nonfinite(dq_, flags, 1, dkv_))
         extra["host_sync_us"] = bench(lambda: flags.tolist()) * 1e3

@@ -344,6 +344,65 @@ def test_backward_flags_exactly_its_nonfinite_outputs(H, options, case):
         assert torch.isfinite(lse[0, 60, 0]) and not torch.isfinite(out[0, 60, 0]).all()
 
 
+GATED_CASES = {  # case: (kv flagged suspect, a full scan must flag)
+    "clean": (False, False), "q_nan": (False, True), "q_pos_inf": (False, True), "q_neg_inf": (False, True),
+    "kv_nan": (True, True), "kv_inf": (True, True), "kv_neg_inf": (True, True), "kv_huge": (True, None),
+    "kv_below_bound": (False, None), "scores_below_mask_init": (False, None), "scores_huge": (False, None),
+    "scores_overflow": (False, None),
+}
+
+
+@pytest.mark.parametrize("H,options", NONFINITE_PATHS)
+@pytest.mark.parametrize("case", list(GATED_CASES))
+def test_gated_forward_check_equals_a_full_scan(H, options, case):
+    """The guard's forward check for this backend (kv flagged in index preparation, lse read, out
+    read only in the rows an unusual lse or a suspect kv leaves open) flags exactly when a full
+    scan of out and lse does, on every kernel path, over poisoned q and kv and the regimes that
+    ``finite_out_lse_bound`` argues about: every score of a row below the running max's start
+    (-2^30: the row sum denormal), scores with |m * c| >= 2^27 (the max slot's p off 1 by the fma's
+    rounding), scores that overflow fp32, and kv entries of 2^99 (not suspect) and 2^101."""
+    from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, KV_SUSPECT_SLOT
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.triton_helpers import flag_nonfinite, flag_nonfinite_forward
+
+    _, q, kv, idx, _ = _nonfinite_case(H)
+    row, h = 60, H - 1
+    key = int(idx[0, row].max())
+    planted = {
+        "q_nan": lambda: q[0, row, h].__setitem__(11, float("nan")),
+        "q_pos_inf": lambda: q[0, row, h].__setitem__(11, float("inf")),
+        "q_neg_inf": lambda: q[0, row, h].__setitem__(11, -float("inf")),
+        "kv_nan": lambda: kv[0, key, 0].__setitem__(11, float("nan")),
+        "kv_inf": lambda: kv[0, key, 0].__setitem__(11, float("inf")),
+        "kv_neg_inf": lambda: kv[0, key, 0].__setitem__(11, -float("inf")),
+        "kv_huge": lambda: kv[0, key, 0].__setitem__(11, 2.0**101),
+        "kv_below_bound": lambda: kv[0, key, 0].__setitem__(11, 2.0**99),
+        "scores_huge": lambda: q[0, row, h].fill_(2.0**26),
+        "scores_overflow": lambda: q[0, row, h].fill_(3e38),
+    }
+    if case == "scores_below_mask_init":
+        # kv all ones; the row's scores all exactly -(2^30 + 1536) (multiples of 128 below 2^31:
+        # exact in fp32 in any order), 1536 * sm_scale * log2(e) = 138.6 below the running max's start
+        kv.fill_(1.0)
+        q[0, row, h].zero_()
+        q[0, row, h, :512] = -(2.0**21)
+        q[0, row, h, 512:524] = -128.0
+    elif case != "clean":
+        planted[case]()
+    be = TileLangBackend(**options)
+    gated = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
+    out, lse, _ = be.forward_saving(q, kv, idx, SCALE, 512, kv_flag=gated[KV_SUSPECT_SLOT:KV_SUSPECT_SLOT + 1])
+    flag_nonfinite_forward(out, lse, gated, 1, KV_SUSPECT_SLOT, be.finite_out_lse_bound(SCALE, idx.shape[-1]),
+                           EMPTY_ROW_LSE)
+    full = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
+    flag_nonfinite(out, full, 1, lse)
+    suspect, must_flag = GATED_CASES[case]
+    assert int(gated[KV_SUSPECT_SLOT]) == suspect
+    assert int(gated[1]) == int(full[1]), (case, gated.tolist(), full.tolist())
+    if must_flag is not None:
+        assert int(full[1]) == must_flag
+
+
 def test_nonfinite_inputs_raise_under_the_guard(tmp_path):
     """Through the op, ``fallback``: a NaN kv row that rows select is not repairable (the reference
     is NaN there too), so the call raises FloatingPointError naming its dump, without grad (the
@@ -522,6 +581,7 @@ def test_device_side_forward_repair(tmp_path, H):
 
     class NaNRows(TileLangBackend):
         name = "tilelang_nan_fwd_rows"
+        finite_out_lse_bound = None  # NaN written into out after the kernels, lse left usual: the guard scans out
 
         def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
             out, lse, saved = super().forward_saving(q, kv, indices, sm_scale, d_v, index_flag)

@@ -164,6 +164,88 @@ def test_finish_backward_converts_drops_sentinel_and_flags_in_interpreter():
     run_interpreted(FINISH)
 
 
+GATED = r"""
+import torch
+from glm5_dsa_plugin.ops.contract import EMPTY_ROW_LSE
+from glm5_dsa_plugin.ops.triton_helpers import KV_SUSPECT_BOUND, flag_nonfinite_forward, prepare_indices
+
+def rule(out, lse, gate_set, bound, rows):
+    # the check's definition: lse nonfinite anywhere, or a nonfinite out row that is read: the
+    # gate set, or some lse of its chunk of ``rows`` rows NaN / beyond the bound and not exactly
+    # EMPTY_ROW_LSE (fp32, as the kernels store it)
+    l = lse.reshape(-1)
+    unusual = ~(l.abs() <= bound) & (l != EMPTY_ROW_LSE)
+    chunk = torch.arange(l.numel()) // rows
+    read = gate_set | torch.zeros(int(chunk[-1]) + 1, dtype=torch.bool).index_put((chunk[unusual],), torch.tensor(True))[chunk]
+    return int(bool((~torch.isfinite(l)).any() or (read & ~torch.isfinite(out.reshape(l.numel(), -1)).all(-1)).any()))
+
+g = torch.Generator().manual_seed(0)
+n_checked = {0: 0, 1: 0}
+for B, T, H, d_v, rows, block in [(1, 7, 4, 16, 4, 8), (2, 5, 3, 24, 8, 32), (1, 33, 2, 512, 16, 4096)]:
+    for trial in range(24):
+        out = torch.randn(B, T, H, d_v, generator=g).bfloat16()
+        lse = torch.randn(B, T, H, generator=g) * 5
+        lse.view(-1)[torch.randint(0, lse.numel(), (2,), generator=g)] = EMPTY_ROW_LSE
+        bound = 50.0
+        kinds = torch.randint(0, 9, (2,), generator=g).tolist()
+        for k in kinds:  # plant up to two things at random rows (6..8: nothing)
+            r = int(torch.randint(0, B * T * H, (1,), generator=g))
+            o, l = out.view(-1, d_v), lse.view(-1)
+            if k == 0:
+                o[r, int(torch.randint(0, d_v, (1,), generator=g))] = float("nan")  # bad out, usual lse
+            elif k == 1:
+                l[r] = float("nan")
+            elif k == 2:
+                l[r] = -float("inf")
+            elif k == 3:
+                l[r] = 1e9; o[r, -1] = float("inf")  # unusual lse: its row is read
+            elif k == 4:
+                l[r] = EMPTY_ROW_LSE; o[r, 0] = float("nan")  # (never from the kernels: empty rows are 0)
+            elif k == 5:
+                l[r] = -3e8  # unusual, its out fine
+        for gate_set in (False, True):
+            flags = torch.zeros(8, dtype=torch.int32)
+            flags[5] = int(gate_set)
+            flag_nonfinite_forward(out, lse, flags, 1, 5, bound, EMPTY_ROW_LSE, rows=rows, block=block)
+            want = rule(out, lse, gate_set, bound, rows)
+            assert flags.tolist() == [0, want, 0, 0, 0, int(gate_set), 0, 0], (flags, want, kinds, gate_set)
+            n_checked[want] += 1
+assert min(n_checked.values()) >= 30, n_checked  # both outcomes exercised
+try:
+    flag_nonfinite_forward(torch.zeros(2, 3, 8), torch.zeros(2, 4), torch.zeros(8, dtype=torch.int32), 1, 5, 1.0, -1e30)
+    raise AssertionError("expected ValueError")
+except ValueError as e:
+    assert "lse" in str(e)
+# kv_flag: set by the copy exactly when some kv entry is NaN, +-inf or >= 2^100 in magnitude
+idx = torch.randint(-1, 40, (2, 5, 1, 64), generator=g, dtype=torch.int32)
+for value, suspect in [(None, 0), (float("nan"), 1), (float("inf"), 1), (-float("inf"), 1), (KV_SUSPECT_BOUND, 1),
+                       (-2.0**101, 1), (2.0**99, 0), (-2.0**99, 0), (3e38, 1)]:
+    for b, row, col in [(0, 0, 0), (1, 39, 575), (1, 17, 300)]:
+        kv = torch.randn(2, 40, 1, 576, generator=g).bfloat16()
+        if value is not None:
+            kv[b, row, 0, col] = value
+        kv_flag, index_flag = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        _, _, kv_k = prepare_indices(idx, 40, 64, index_flag, kv=kv, kv_flag=kv_flag)
+        assert kv_flag.item() == suspect and index_flag.item() == 0, (value, b, row, col, kv_flag)
+        assert torch.equal(kv_k[:, :40], kv, ) if value == value else True
+try:
+    prepare_indices(idx, 40, 64, kv_flag=torch.zeros(1, dtype=torch.int32))
+    raise AssertionError("expected ValueError")
+except ValueError as e:
+    assert "kv_flag" in str(e)
+print("OK")
+"""
+
+
+def test_gated_forward_check_and_kv_flag_in_interpreter():
+    """``flag_nonfinite_forward`` sets its flag exactly by its rule (lse nonfinite anywhere, or a
+    nonfinite out row that is read: gate set, or an lse of the row's chunk NaN / beyond the bound
+    but not EMPTY_ROW_LSE),
+    over random plantings and program / block splits that cut rows; ``prepare_indices``' kv_flag is
+    set exactly when a kv entry is NaN, +-inf or >= 2^100 in magnitude, at any position."""
+    run_interpreted(GATED)
+
+
 def test_forward_buckets_cover_every_row_once():
     from glm5_dsa_plugin.ops.tilelang_backend import forward_buckets
 

@@ -27,7 +27,11 @@ class Backend(Protocol):
     ``padded_views(saved, topk) -> (kv, indices)`` as views without a copy, where a slot is valid
     iff 0 <= index < T_kv (the guard's device-side repair reads these on every backward). With
     ``reports_nonfinite = True`` its ``backward_saved`` also takes ``nonfinite_flag`` (int32 [1])
-    and sets it when dq or dkv holds NaN/inf, so the guard makes no pass of its own."""
+    and sets it when dq or dkv holds NaN/inf, so the guard makes no pass of its own. With
+    ``finite_out_lse_bound(sm_scale, topk) -> float | None``, its ``forward_saving`` also takes
+    ``kv_flag`` (int32 [1]) and sets it when kv is suspect; a bound B promises that out is finite
+    in every row whose lse is finite with |lse| <= B (or EMPTY_ROW_LSE) while that flag is clear,
+    so the guard reads only lse and the rows of out left open (``guard._flag_nonfinite_forward``)."""
 
     name: str
 

@@ -5,7 +5,10 @@ Policy (per process): env ``GLM5_DSA_NONFINITE=fallback|raise|off`` or :func:`co
 Detection: after each fast-backend call, one device-side finiteness pass over the outputs
 (out/lse forward, dq/dkv backward; Triton on CUDA) into an int32 flag buffer. A backend with
 ``reports_nonfinite`` sets the backward's flag itself, in work it does anyway (TileLang: dq
-tested in the warp-specialised kernel's registers, dKV in its conversion pass). The forward's
+tested in the warp-specialised kernel's registers, dKV in its conversion pass). A backend with
+``finite_out_lse_bound`` flags suspect kv during its forward; the forward's pass then reads lse
+and only the rows of out that kv or an unusual lse make suspect (TileLang: out is d_v times the
+size of lse, 65 us a call at T = 4096, H = 64). The forward's
 flags also carry the deferred index-validation flag of a backend memory-safe for any index (see
 ``backends.Backend``).
 
@@ -57,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import reference
-from .contract import SparseMLAInputError, check_indices
+from .contract import EMPTY_ROW_LSE, SparseMLAInputError, check_indices
 
 POLICIES = ("fallback", "raise", "off")
 FORWARD_FLAGS = ("eager", "deferred")
@@ -238,6 +241,23 @@ def _flag_nonfinite(flags: torch.Tensor, slot: int, a: torch.Tensor, b: torch.Te
         flags[slot : slot + 1] += (~torch.isfinite(t)).any().to(torch.int32)
 
 
+def _flag_nonfinite_forward(flags: torch.Tensor, slot: int, out: torch.Tensor, lse: torch.Tensor, gate: int,
+                            lse_bound: float) -> None:
+    """flags[slot] becomes nonzero if lse holds NaN/inf, or a row of out [..., d_v] does whose lse
+    is NaN, larger than ``lse_bound`` in magnitude (not EMPTY_ROW_LSE), or when flags[gate] is
+    set: the rows a backend's ``finite_out_lse_bound`` leaves open. Device-side, no host sync."""
+    if out.is_cuda:
+        from .triton_helpers import flag_nonfinite_forward
+
+        flag_nonfinite_forward(out, lse, flags, slot, gate, lse_bound, EMPTY_ROW_LSE)
+        return
+    lse_rows = lse.reshape(-1)
+    unusual = ~(lse_rows.abs() <= lse_bound) & (lse_rows != EMPTY_ROW_LSE)
+    read = unusual | (flags[gate] != 0)
+    bad_out = ~torch.isfinite(out.reshape(lse_rows.numel(), -1)).all(-1)
+    flags[slot : slot + 1] += ((~torch.isfinite(lse_rows)).any() | (read & bad_out).any()).to(torch.int32)
+
+
 def _read(flags: torch.Tensor) -> list[int]:
     """The one host read of a flags buffer; a clear error inside CUDA graph capture, where no
     host read is allowed."""
@@ -260,7 +280,8 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-FLAG_SLOTS = 8  # [index rule violated, some output nonfinite, row_repair's slots 2..4, spare]
+FLAG_SLOTS = 8  # [index rule violated, some output nonfinite, row_repair's slots 2..4, kv suspect, spare]
+KV_SUSPECT_SLOT = 5  # set by a backend with ``finite_out_lse_bound`` (the forward's gated check)
 
 
 class _FlagPool:
@@ -312,10 +333,12 @@ def _bad_rows(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t).flatten(2).all(-1)
 
 
-def _forward(backend, q, kv, indices, sm_scale, d_v, index_flag):
+def _forward(backend, q, kv, indices, sm_scale, d_v, index_flag, kv_flag=None):
     """-> (out, lse, saved): ``saved`` is what the backward needs in place of (kv, indices) for a
     backend that prepares its inputs once per call (``forward_saving``), else (kv, indices)."""
     kw = {} if index_flag is None else {"index_flag": index_flag}
+    if kv_flag is not None:  # (only backends with finite_out_lse_bound, all of which save)
+        return backend.forward_saving(q, kv, indices, sm_scale, d_v, kv_flag=kv_flag, **kw)
     if hasattr(backend, "forward_saving"):
         return backend.forward_saving(q, kv, indices, sm_scale, d_v, **kw)
     out, lse = backend.forward(q, kv, indices, sm_scale, d_v, **kw)
@@ -347,11 +370,18 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
     those cases."""
     check = _cfg.policy != "off" and backend.name != "reference"
     flags = _new_flags(q.device) if (check or defer_index_check) else None
-    out, lse, saved = _forward(backend, q, kv, indices, sm_scale, d_v, flags[0:1] if defer_index_check else None)
+    bound_of = getattr(backend, "finite_out_lse_bound", None) if check else None
+    lse_bound = None if bound_of is None else bound_of(sm_scale, indices.shape[-1])
+    kv_flag = None if lse_bound is None else flags[KV_SUSPECT_SLOT : KV_SUSPECT_SLOT + 1]
+    out, lse, saved = _forward(backend, q, kv, indices, sm_scale, d_v, flags[0:1] if defer_index_check else None,
+                               kv_flag)
     if flags is None:
         return out, lse, saved, None
     if check:
-        _flag_nonfinite(flags, 1, out, lse)
+        if lse_bound is None:
+            _flag_nonfinite(flags, 1, out, lse)
+        else:
+            _flag_nonfinite_forward(flags, 1, out, lse, KV_SUSPECT_SLOT, lse_bound)
     read_late = backward_follows or _cfg.forward_flags == "deferred"
     if read_late and _cfg.policy != "raise" and _reads_late(q.device):
         if check:

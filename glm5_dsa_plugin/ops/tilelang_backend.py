@@ -303,6 +303,30 @@ class TileLangBackend:
         """True when no index value can make the kernels touch memory out of bounds (``safe`` mode)."""
         return self.safe
 
+    def finite_out_lse_bound(self, sm_scale: float, topk: int) -> float | None:
+        """For the guard's forward check (``triton_helpers.flag_nonfinite_forward``): a bound B such
+        that out is finite in every row whose lse is finite with |lse| <= B (or exactly
+        EMPTY_ROW_LSE), provided ``forward_saving(..., kv_flag=f)`` left ``f`` clear; ``f`` is set
+        (in the copy of kv that index preparation makes anyway) when a kv entry is NaN, +-inf or
+        >= ``KV_SUSPECT_BOUND`` (2^100) in magnitude. None (no such bound: scan out) with
+        ``safe=False`` or topk >= 2^20.
+
+        Why, for these kernels (running max m starts at _MASK_INIT = -2^30, raw scores; p =
+        exp2(s * c - m * c) with c = sm_scale * log2(e), so the max slot's own p is exp2 of an
+        fma rounding error e, |e| <= ulp(m * c) / 2): a NaN score makes its p, the row sum and
+        lse NaN; a +inf score makes m +inf and exp2(inf - inf) NaN. Otherwise, while
+        |m * c| < 2^27 (|e| <= 4) and m > _MASK_INIT, every p lies in [0, 16], the row sum is
+        at least the max slot's p >= 1/16, and out (the p-weighted sum of < 2^20 kv rows below
+        2^100, < 2^124, times the reciprocal row sum) stays finite. The two regimes left have
+        unusual lse: every score below -2^30 (the row sum may be denormal, its reciprocal inf)
+        gives lse < -2^30 * sm_scale - 87; |m * c| >= 2^27 gives |lse| >= 2^27 * ln 2 - 104.
+        Hence B = min(2^29 * sm_scale, 2^26). Empty rows (row sum exactly 0) store out 0.
+        Session 21's exp50 and the GPU tests compare the gated flag with a full scan over
+        poisoned and extreme q and kv."""
+        if not self.safe or topk >= 2**20:
+            return None
+        return min(2.0**29 * float(sm_scale), 2.0**26)
+
     def available(self) -> tuple[bool, str]:
         ok, reason = _import_status()
         if not ok:
@@ -321,22 +345,26 @@ class TileLangBackend:
         check_split(d_v, q.shape[-1] - d_v)
 
     def save(self, kv, indices, index_flag=None, block_counts=None,
-             block=64, rewrite=True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             block=64, rewrite=True, kv_flag=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prepared inputs both kernels read, built once per call (forward) and kept for the
         backward in place of (kv, indices): (kv with the zero sentinel row [B, T_kv + 1, G, Dqk],
         kernel indices [B, T, G, K_pad] in [0, T_kv], extent [B, T, G]); K_pad is topk rounded up
         to ``BLOCK_TOPK``. ``index_flag`` (int32 [1]) is set when an index breaks the rule;
         ``block_counts`` (see ``prepare_indices``) counts rows by their blocks of ``block`` slots.
         ``rewrite=False``: the caller's ``indices`` in place of the kernel indices (for kernels that
-        read them as they are, ``_kernels_read_caller_indices``).
+        read them as they are, ``_kernels_read_caller_indices``). ``kv_flag`` (int32 [1]): see
+        :meth:`finite_out_lse_bound`.
         With ``safe=False`` (fix-cost measurement only): raw kv, -1 padding, full extent."""
         from .tilelang_kernels import BLOCK_TOPK
 
         k_pad = padded_topk(indices.shape[-1])
         if self.safe:
             idx, extent, kv_k = prepare_indices(indices, kv.shape[1], k_pad, index_flag, kv=kv,
-                                                block_counts=block_counts, block=block, rewrite=rewrite)
+                                                block_counts=block_counts, block=block, rewrite=rewrite,
+                                                kv_flag=kv_flag)
             return kv_k, idx, extent
+        if kv_flag is not None:
+            raise ValueError("TileLangBackend(safe=False) sets no kv_flag (finite_out_lse_bound is None)")
         idx = _pad_topk(indices, BLOCK_TOPK)
         return kv.contiguous(), idx, torch.full(idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
 
@@ -395,14 +423,14 @@ class TileLangBackend:
             flags = self._scratch_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return flags
 
-    def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
+    def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None, kv_flag=None):
         """-> (out, lse, saved): ``saved`` is what :meth:`backward_saved` needs: :meth:`save`'s three
         tensors, then (keys, members, extent) of ``group_keys`` when this call ran row groups. The
         rewritten indices give way to the caller's ``indices`` where the backward can read those
         as they are (``_kernels_read_caller_indices``): autograd then keeps no second
         index-sized tensor per call (1 GB per layer at T = 128K, topk 2048); where the
         warp-specialised forward reads them too (one row per block), no rewritten copy is made
-        at all."""
+        at all. ``kv_flag`` (int32 [1], device): see :meth:`finite_out_lse_bound`."""
         self._check(q, kv, d_v)
         G, hg = kv.shape[2], q.shape[2] // kv.shape[2]
         group_heads, group_rows = self.rows_per_block(hg)
@@ -416,7 +444,7 @@ class TileLangBackend:
         # the one-row warp-specialised forward reads them too: no rewritten copy at all (>= 64 heads
         # per group, where no row-group lists are built from rewritten indices)
         saved = self.save(kv, indices, index_flag, block_counts=counts, block=block,
-                          rewrite=not (caller_ok and ws and not use_groups))
+                          rewrite=not (caller_ok and ws and not use_groups), kv_flag=kv_flag)
         if use_groups or count_into is not None:  # (counting builds the lists in one-row calls too)
             lists = group_keys(saved[1], kv.shape[1], group_rows)
             if count_into is not None:  # group entries vs the slots one-row blocks run

@@ -3,10 +3,15 @@
 * ``flag_nonfinite(x, flags, slot, y=None)``: sets ``flags[slot] = 1`` (int32, device) when ``x``
   (or ``y``) holds a NaN or +-inf, one launch, no host sync; several checks share one flags
   buffer so a caller reads all of them with one small device-to-host copy.
-* ``prepare_indices(indices, n_kv, k_pad, flags, kv)``: the TileLang kernels' inputs in one
-  launch: every slot outside [0, n_kv) -> n_kv (the zero sentinel row), topk padded to ``k_pad``,
-  each row's extent (1 + position of its last valid slot), optionally ``flags[0] = 1`` when an
-  entry breaks the index rule (outside {-1} U [0, n_kv)), and optionally kv with the sentinel row.
+* ``flag_nonfinite_forward(out, lse, flags, slot, gate, lse_bound, empty_lse)``: the same for a
+  forward's outputs, reading lse always and a row's out only where its lse is unusual or
+  ``flags[gate]`` is set (for backends whose kernels bound out through lse and kv).
+* ``prepare_indices(indices, n_kv, k_pad, flags, kv, kv_flag)``: the TileLang kernels' inputs in
+  one launch: every slot outside [0, n_kv) -> n_kv (the zero sentinel row), topk padded to
+  ``k_pad``, each row's extent (1 + position of its last valid slot), optionally ``flags[0] = 1``
+  when an entry breaks the index rule (outside {-1} U [0, n_kv)), optionally kv with the sentinel
+  row, and then optionally ``kv_flag[0] = 1`` when a kv entry is NaN, +-inf or at least
+  ``KV_SUSPECT_BOUND`` in magnitude.
 * ``finish_backward(dkv32, n_rows, dtype, dq, flags)``: the backward's last pass: dKV (fp32
   accumulator with a sentinel row) -> the caller's dtype without the sentinel, and, in the same
   launch, ``flags[0] = 1`` when that dKV or ``dq`` (unless None) holds a NaN or +-inf (the
@@ -21,6 +26,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# kv entries at or above this magnitude (or NaN / inf) make kv "suspect" (prepare_indices'
+# kv_flag). Below it, a softmax-weighted mean of at most 2^27 kv rows stays far inside bf16 / fp32
+# range (tilelang_backend.TileLangBackend.finite_out_lse_bound says when that is enough).
+KV_SUSPECT_BOUND = 2.0**100
 
 
 @triton.jit
@@ -59,6 +69,49 @@ def flag_nonfinite(x: torch.Tensor, flags: torch.Tensor, slot: int, y: torch.Ten
     grid = triton.cdiv(nx, block) + triton.cdiv(ny, block)
     if grid:
         _nonfinite_kernel[(grid,)](x.view(-1), nx, y.view(-1) if ny else x.view(-1), ny, flags, slot, BLOCK=block)
+
+
+@triton.jit
+def _nonfinite_forward_kernel(LSE, n_rows, OUT, row_len, FLAGS, slot, gate, lse_bound, empty_lse,
+                              ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p: lse rows [p * ROWS, (p + 1) * ROWS); their out entries (row_len each, contiguous)
+    are read only when FLAGS[gate] is set (written earlier on the stream) or one of those lse
+    values is unusual (NaN, or |lse| > lse_bound other than exactly empty_lse)."""
+    r0 = tl.program_id(0).to(tl.int64) * ROWS
+    rows = r0 + tl.arange(0, ROWS)
+    lse = tl.load(LSE + rows, mask=rows < n_rows, other=0.0)
+    bad = tl.max(((lse - lse) != 0).to(tl.int32), axis=0)
+    unusual = tl.max(((~(tl.abs(lse) <= lse_bound)) & (lse != empty_lse)).to(tl.int32), axis=0)
+    if (unusual + tl.load(FLAGS + gate) > 0) & (bad == 0):
+        end = tl.minimum(r0 + ROWS, n_rows) * row_len
+        start = r0 * row_len
+        while start < end:  # (a while loop: the CPU interpreter runs it too)
+            bad = tl.maximum(bad, _any_nonfinite(OUT, start, end, BLOCK))
+            start += BLOCK
+    if bad > 0:
+        tl.atomic_max(FLAGS + slot, 1)
+
+
+def flag_nonfinite_forward(out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor, slot: int, gate: int,
+                           lse_bound: float, empty_lse: float, rows: int = 1024, block: int = 4096) -> None:
+    """``flags[slot] = 1`` when lse [...] (fp32) or out [..., d_v] holds NaN / inf, reading a row's
+    out only where ``flags[gate]`` is nonzero by the time the launch runs or the row's lse is
+    unusual: NaN or larger than ``lse_bound`` in magnitude, other than exactly ``empty_lse`` (in
+    chunks of ``rows`` lse rows: one unusual value has its chunk's out rows read). For a
+    backend whose kernels make out finite wherever lse is finite and usual and the gate is clear
+    (``TileLangBackend.finite_out_lse_bound``): then the result equals ``flag_nonfinite(out, ...,
+    lse)``'s, from a read of lse alone (1 / d_v of out's entries). One launch, no host sync."""
+    if flags.dtype != torch.int32 or not 0 <= gate < flags.numel() or not 0 <= slot < flags.numel():
+        raise ValueError(f"flag_nonfinite_forward: int32 flags with slots {slot} and {gate} expected")
+    if lse.dtype != torch.float32 or out.shape[:-1] != lse.shape:
+        raise ValueError(f"flag_nonfinite_forward: fp32 lse {tuple(lse.shape)} with out {tuple(out.shape)} "
+                         "[..., d_v] expected")
+    out, lse = out.contiguous(), lse.contiguous()
+    n_rows = lse.numel()
+    if n_rows:
+        _nonfinite_forward_kernel[(triton.cdiv(n_rows, rows),)](lse.view(-1), n_rows, out.view(-1), out.shape[-1],
+                                                                 flags, slot, gate, float(lse_bound),
+                                                                 float(empty_lse), ROWS=rows, BLOCK=block)
 
 
 @triton.jit
@@ -108,12 +161,13 @@ def finish_backward(dkv32: torch.Tensor, n_rows: int, dtype: torch.dtype, dq: to
 
 @triton.jit
 def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, n_rows, KV, KVK, per_batch_in, per_batch_out,
-                            COUNTS, block, CHECK: tl.constexpr, COUNT: tl.constexpr, REWRITE: tl.constexpr,
-                            BK: tl.constexpr, BC: tl.constexpr):
+                            COUNTS, block, KV_FLAG, kv_bound, CHECK: tl.constexpr, COUNT: tl.constexpr,
+                            REWRITE: tl.constexpr, CHECK_KV: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     """Programs [0, n_rows): one index row each (with COUNT: COUNTS[ceil(extent / block)] += 1;
     without REWRITE no OUT is written).
     The rest (when KV is given): copy kv batch by batch into KVK, whose extra last row per batch
-    reads as zeros (the sentinel)."""
+    reads as zeros (the sentinel); with CHECK_KV, KV_FLAG[0] = 1 when a copied entry is NaN, +-inf
+    or >= kv_bound in magnitude."""
     row = tl.program_id(0).to(tl.int64)
     if row < n_rows:
         ext = tl.zeros([BK], dtype=tl.int32)
@@ -142,11 +196,15 @@ def _prepare_indices_kernel(IDX, OUT, EXT, FLAGS, K, K_PAD, n_kv, n_rows, KV, KV
         offs = (c % nb) * BC + tl.arange(0, BC)
         x = tl.load(KV + b * per_batch_in + offs, mask=offs < per_batch_in, other=0.0)
         tl.store(KVK + b * per_batch_out + offs, x, mask=offs < per_batch_out)
+        if CHECK_KV:
+            # (not |x| < bound): NaN fails the comparison too
+            if tl.max((~(tl.abs(x.to(tl.float32)) < kv_bound)).to(tl.int32), axis=0) > 0:
+                tl.atomic_max(KV_FLAG, 1)
 
 
 def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.Tensor | None = None,
                     kv: torch.Tensor | None = None, block_counts: torch.Tensor | None = None, block: int = 64,
-                    rewrite: bool = True):
+                    rewrite: bool = True, kv_flag: torch.Tensor | None = None):
     """indices [..., K] int32 -> (kernel indices [..., k_pad] int32 in [0, n_kv], extent [...] int32)
     and, when ``kv`` [B, n_kv, ...] is given, also kv with one zero row appended per batch
     ([B, n_kv + 1, ...], the sentinel the rewritten slots read) as a third result.
@@ -158,6 +216,8 @@ def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.T
     ``flags`` (int32, device): ``flags[0]`` is set to 1 when some entry lies outside {-1} U [0, n_kv).
     ``block_counts`` (int32 [k_pad // block + 1], device, zero): entry c counts the rows whose
     valid slots end in block c (``ceil(extent / block)``; 0 for rows without any).
+    ``kv_flag`` (int32, device; only with ``kv``): ``kv_flag[0]`` is set to 1 when some kv entry is
+    NaN, +-inf or at least ``KV_SUSPECT_BOUND`` in magnitude (read in the copy, no extra pass).
     One launch, no host sync."""
     if indices.dtype != torch.int32:
         raise ValueError(f"prepare_indices: int32 indices expected, got {indices.dtype}")
@@ -183,6 +243,8 @@ def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.T
     else:
         kv = kv_k = ext
         per_in = per_out = n_copy = 0
+    if kv_flag is not None and (kv_flag.dtype != torch.int32 or not with_kv):
+        raise ValueError("prepare_indices: kv_flag must be int32 and needs kv")
     if block_counts is not None and block_counts.numel() != k_pad // block + 1:
         raise ValueError(f"prepare_indices: block_counts needs {k_pad // block + 1} entries")
     if n_rows + n_copy:
@@ -190,8 +252,9 @@ def prepare_indices(indices: torch.Tensor, n_kv: int, k_pad: int, flags: torch.T
         _prepare_indices_kernel[(n_rows + n_copy,)](idx, out, ext, ext if flags is None else flags, K, k_pad, n_kv,
                                                     n_rows, kv, kv_k, per_in, per_out,
                                                     ext if block_counts is None else block_counts, block,
+                                                    ext if kv_flag is None else kv_flag, KV_SUSPECT_BOUND,
                                                     CHECK=flags is not None, COUNT=block_counts is not None,
-                                                    REWRITE=rewrite, BK=BK, BC=BC)
+                                                    REWRITE=rewrite, CHECK_KV=kv_flag is not None, BK=BK, BC=BC)
     return (out, ext, kv_k) if with_kv else (out, ext)
 
 
