@@ -354,16 +354,17 @@ GATED_CASES = {  # case: (kv flagged suspect, a full scan must flag)
 
 @pytest.mark.parametrize("H,options", NONFINITE_PATHS)
 @pytest.mark.parametrize("case", list(GATED_CASES))
-def test_gated_forward_check_equals_a_full_scan(H, options, case):
+def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_for(H, options, case):
     """The guard's forward check for this backend (kv flagged in index preparation, lse read, out
-    read only in the rows an unusual lse or a suspect kv leaves open) flags exactly when a full
-    scan of out and lse does, on every kernel path, over poisoned q and kv and the regimes that
-    ``finite_out_lse_bound`` argues about: every score of a row below the running max's start
-    (-2^30: the row sum denormal), scores with |m * c| >= 2^27 (the max slot's p off 1 by the fma's
-    rounding), scores that overflow fp32, and kv entries of 2^99 (not suspect) and 2^101."""
+    read only when kv is suspect) flags whenever a full scan of out and lse does, on every kernel
+    path, over poisoned q and kv and the regimes ``finite_out_lse_bound`` argues about: every
+    score of a row below the running max's start (-2^30: the row sum denormal), scores with
+    |m * c| >= 2^27, scores that overflow fp32, kv entries of 2^99 (not suspect) and 2^101. It
+    flags more only for doubtful rows (lse beyond the bound, or empty with a valid slot), whose
+    lse it sets to NaN, every other lse untouched; in the clean case nothing."""
     from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, KV_SUSPECT_SLOT
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
-    from glm5_dsa_plugin.ops.triton_helpers import flag_nonfinite, flag_nonfinite_forward
+    from glm5_dsa_plugin.ops.triton_helpers import check_forward, flag_nonfinite
 
     _, q, kv, idx, _ = _nonfinite_case(H)
     row, h = 60, H - 1
@@ -381,26 +382,77 @@ def test_gated_forward_check_equals_a_full_scan(H, options, case):
         "scores_overflow": lambda: q[0, row, h].fill_(3e38),
     }
     if case == "scores_below_mask_init":
-        # kv all ones; the row's scores all exactly -(2^30 + 1536) (multiples of 128 below 2^31:
-        # exact in fp32 in any order), 1536 * sm_scale * log2(e) = 138.6 below the running max's start
+        # kv all ones; the row's scores all exactly -(2^30 + 2048) (multiples of 128 below 2^31:
+        # exact in fp32 in any order): every p underflows (exp51: out 0, lse EMPTY_ROW_LSE)
         kv.fill_(1.0)
         q[0, row, h].zero_()
         q[0, row, h, :512] = -(2.0**21)
-        q[0, row, h, 512:524] = -128.0
+        q[0, row, h, 512:528] = -128.0
     elif case != "clean":
         planted[case]()
     be = TileLangBackend(**options)
-    gated = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
-    out, lse, _ = be.forward_saving(q, kv, idx, SCALE, 512, kv_flag=gated[KV_SUSPECT_SLOT:KV_SUSPECT_SLOT + 1])
-    flag_nonfinite_forward(out, lse, gated, 1, KV_SUSPECT_SLOT, be.finite_out_lse_bound(SCALE, idx.shape[-1]),
-                           EMPTY_ROW_LSE)
+    flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
+    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512, kv_flag=flags[KV_SUSPECT_SLOT:KV_SUSPECT_SLOT + 1])
     full = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
     flag_nonfinite(out, full, 1, lse)
+    bound, extent = be.finite_out_lse_bound(SCALE, idx.shape[-1]), be.row_extent(saved)
+    doubtful = ((lse.abs() > bound) & (lse != EMPTY_ROW_LSE)) | ((lse == EMPTY_ROW_LSE) & (extent.repeat_interleave(H, -1) > 0))
+    before = lse.clone()
+    check_forward(out, lse, flags, 1, KV_SUSPECT_SLOT, bound, EMPTY_ROW_LSE, extent, H)
     suspect, must_flag = GATED_CASES[case]
-    assert int(gated[KV_SUSPECT_SLOT]) == suspect
-    assert int(gated[1]) == int(full[1]), (case, gated.tolist(), full.tolist())
+    assert int(flags[KV_SUSPECT_SLOT]) == suspect
+    assert int(flags[1]) == int(bool(full[1]) or bool(doubtful.any())), (case, flags.tolist(), full.tolist())
+    assert torch.isnan(lse[doubtful]).all() and torch.equal(lse[~doubtful].nan_to_num(7.0), before[~doubtful].nan_to_num(7.0))
     if must_flag is not None:
         assert int(full[1]) == must_flag
+    if case == "clean":
+        assert not doubtful.any() and int(flags[1]) == 0
+    if case == "scores_below_mask_init":
+        assert doubtful[0, row, h]  # the row the kernels return empty: recomputed by the guard
+
+
+@pytest.mark.parametrize("H", [64, 16])
+def test_rows_whose_scores_all_underflow_are_recomputed(H):
+    """Through the op (``fallback``, without grad and under autograd): a row whose scores are all
+    far below -2^30 came out of the kernels as an empty row (out 0, lse EMPTY_ROW_LSE: exp51),
+    silently; the guard now recomputes it, so out and lse equal the fp64 reference there and
+    every other row is the kernels' own."""
+    from glm5_dsa_plugin.ops import configure, guard_stats, reset_guard_stats
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    T, T_kv, K, row = 256, 512, 128, 77
+    q = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    # kv rows of ones but for entries 0 / 1 = 1 + a / 1 - a (a in {-0.5, 0, 0.5}): the row's scores stay
+    # exactly -(2^30 + 2048) while its out (the mean of the selected rows) is not constant
+    kv = torch.ones(T_kv, 1, 576, device="cuda", dtype=torch.bfloat16)
+    a = (torch.randint(0, 3, (T_kv,), generator=gen, device="cuda") - 1).to(torch.bfloat16) * 0.5
+    kv[:, 0, 0], kv[:, 0, 1] = 1 + a, 1 - a
+    idx = torch.randint(0, T_kv, (T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
+    q[row].zero_()
+    q[row, :, :512] = -(2.0**21)
+    q[row, :, 512:528] = -128.0
+    configure(policy="fallback")
+    reset_guard_stats()
+    try:
+        r_out, r_lse = ref.forward(q.double()[None], kv.double()[None], idx[None], SCALE, 512)
+        with pytest.warns(RuntimeWarning, match="repaired"):
+            with torch.no_grad():
+                out, lse = sparse_mla(q, kv, idx, SCALE, backend="tilelang")
+        assert guard_stats()["rows_repaired"] >= 1
+        assert torch.isfinite(out).all() and (out[row] != 0).any()
+        assert rel_l2(out[row], r_out[0, row]) <= 3e-3
+        torch.testing.assert_close(lse[row].double(), r_lse[0, row], rtol=1e-6, atol=0)
+        qq = q.clone().requires_grad_(True)
+        out2, _ = sparse_mla(qq, kv, idx, SCALE, backend="tilelang")  # device-side repair
+        assert rel_l2(out2[row].detach(), r_out[0, row]) <= 3e-3
+        with pytest.warns(RuntimeWarning, match="repaired"):
+            out2.float().sum().backward()
+        others = torch.ones(T, dtype=torch.bool, device="cuda")
+        others[row] = False
+        assert rel_l2(out[others], r_out[0][others]) <= 3e-3
+    finally:
+        configure(policy="fallback")
+        reset_guard_stats()
 
 
 def test_nonfinite_inputs_raise_under_the_guard(tmp_path):

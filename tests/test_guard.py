@@ -314,15 +314,22 @@ def test_backward_repair_through_saved_inputs(tmp_path):
 
 
 class BoundedFaultyBackend(SavingFaultyBackend):
-    """``finite_out_lse_bound`` over the faulty reference: its forward sets ``kv_flag`` when kv holds
-    NaN / inf (as TileLang's index preparation does) and may make chosen rows' lse unusual."""
+    """``finite_out_lse_bound`` / ``row_extent`` over the faulty reference: its forward sets
+    ``kv_flag`` when kv holds NaN / inf (as TileLang's index preparation does) and may return
+    chosen rows with an lse beyond the bound, or empty (out 0, lse EMPTY_ROW_LSE) although they
+    have valid slots (what TileLang's kernels do when every score of a row underflows)."""
 
     name = "faulty_bounded"
     unusual_lse_rows: list = []
+    emptied_rows: list = []
     kv_flag_passed: list = []
 
     def finite_out_lse_bound(self, sm_scale, topk):
         return 50.0
+
+    def row_extent(self, saved):
+        kv, idx = saved
+        return ((idx >= 0) & (idx < kv.shape[1])).any(-1).to(torch.int32)
 
     def forward_saving(self, q, kv, indices, sm_scale, d_v, kv_flag=None):
         type(self).kv_flag_passed.append(kv_flag is not None)
@@ -331,19 +338,23 @@ class BoundedFaultyBackend(SavingFaultyBackend):
         out, lse, saved = super().forward_saving(q, kv, indices, sm_scale, d_v)
         for b, t in self.unusual_lse_rows:
             lse[b, t] = 1e6
+        for b, t in self.emptied_rows:
+            out[b, t], lse[b, t] = 0.0, ref.EMPTY_ROW_LSE
         return out, lse, saved
 
 
-@pytest.mark.parametrize("case", ["kv_clean", "kv_suspect", "unusual_lse", "policy_off"])
+@pytest.mark.parametrize("case", ["kv_clean", "kv_suspect", "unusual_lse", "emptied_rows", "policy_off"])
 def test_bounded_backend_has_out_read_only_where_left_open(tmp_path, case):
-    """A backend with ``finite_out_lse_bound`` gets a kv flag slot and its out is read only in the
-    rows it leaves open: with kv clean and lse usual, NaN planted in out after the kernels (what
-    the bound says the kernels never return) passes unseen, which shows the guard skips the
-    read; kv flagged, or an unusual lse in the row, has the rows found and repaired from the
-    reference. Under ``off`` no flag slot is passed."""
+    """A backend with ``finite_out_lse_bound`` gets a kv flag slot and its out is read only when
+    kv is suspect: with kv clean and lse usual, NaN planted in out after the kernels (what the
+    bound says the kernels never return) passes unseen, which shows the guard skips the read;
+    kv flagged has the NaN rows found and repaired from the reference; rows the backend does not
+    vouch for (an lse beyond its bound; empty although they have a valid slot) are recomputed
+    too, out and lse. Under ``off`` no flag slot is passed."""
     be = BoundedFaultyBackend()
-    be.fwd_rows = [(0, 3), (1, 7)]
+    be.fwd_rows = [(0, 3), (1, 7)] if case in ("kv_clean", "kv_suspect", "policy_off") else []
     be.unusual_lse_rows = [(0, 3), (1, 7)] if case == "unusual_lse" else []
+    be.emptied_rows = [(0, 3), (1, 7)] if case == "emptied_rows" else []
     BoundedFaultyBackend.kv_flag_passed = []
     register_backend(be.name, lambda: be, replace=True)
     configure(policy="off" if case == "policy_off" else "fallback", dump_dir=str(tmp_path), dump_every=1)
@@ -351,19 +362,21 @@ def test_bounded_backend_has_out_read_only_where_left_open(tmp_path, case):
     try:
         q, kv, idx, _ = _inputs()
         kv = kv.detach().clone()
+        assert (idx[0, 3] >= 0).any() and (idx[1, 7] >= 0).any()  # rows with valid slots
         if case == "kv_suspect":
             unused = sorted(set(range(kv.shape[1])) - set(idx[1].flatten().tolist()))[0]
             kv[1, unused, 0, 0] = float("inf")  # a row nothing selects: the reference stays finite
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out, lse = sparse_mla(q.detach(), kv, idx, 0.4, d_v=8, backend=be.name)
-        repaired = case in ("kv_suspect", "unusual_lse")
+        repaired = case in ("kv_suspect", "unusual_lse", "emptied_rows")
         assert BoundedFaultyBackend.kv_flag_passed == [case != "policy_off"]
-        assert torch.isfinite(out).all() == repaired
+        assert torch.isfinite(out).all() == (case != "kv_clean" and case != "policy_off")
         assert guard_stats()["rows_repaired"] == (2 if repaired else 0)
         if repaired:
             r_out, r_lse = ref.forward(q.detach(), kv, idx, 0.4, 8)
             torch.testing.assert_close(out, r_out, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(lse, r_lse, rtol=1e-12, atol=1e-12)
     finally:
         unregister_backend(be.name)
         configure(policy="fallback", dump_dir="glm5_dsa_dumps", dump_every=100)

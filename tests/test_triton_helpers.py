@@ -167,28 +167,17 @@ def test_finish_backward_converts_drops_sentinel_and_flags_in_interpreter():
 GATED = r"""
 import torch
 from glm5_dsa_plugin.ops.contract import EMPTY_ROW_LSE
-from glm5_dsa_plugin.ops.triton_helpers import KV_SUSPECT_BOUND, flag_nonfinite_forward, prepare_indices
-
-def rule(out, lse, gate_set, bound, rows):
-    # the check's definition: lse nonfinite anywhere, or a nonfinite out row that is read: the
-    # gate set, or some lse of its chunk of ``rows`` rows NaN / beyond the bound and not exactly
-    # EMPTY_ROW_LSE (fp32, as the kernels store it)
-    l = lse.reshape(-1)
-    unusual = ~(l.abs() <= bound) & (l != EMPTY_ROW_LSE)
-    chunk = torch.arange(l.numel()) // rows
-    read = gate_set | torch.zeros(int(chunk[-1]) + 1, dtype=torch.bool).index_put((chunk[unusual],), torch.tensor(True))[chunk]
-    return int(bool((~torch.isfinite(l)).any() or (read & ~torch.isfinite(out.reshape(l.numel(), -1)).all(-1)).any()))
+from glm5_dsa_plugin.ops.triton_helpers import KV_SUSPECT_BOUND, check_forward, prepare_indices
 
 g = torch.Generator().manual_seed(0)
-n_checked = {0: 0, 1: 0}
-for B, T, H, d_v, rows, block in [(1, 7, 4, 16, 4, 8), (2, 5, 3, 24, 8, 32), (1, 33, 2, 512, 16, 4096)]:
+n_flagged = {0: 0, 1: 0}
+for B, T, G, hg, d_v, rows, block in [(1, 7, 2, 2, 16, 4, 8), (2, 5, 1, 3, 24, 8, 32), (1, 33, 1, 2, 512, 16, 4096)]:
+    H = G * hg
     for trial in range(24):
         out = torch.randn(B, T, H, d_v, generator=g).bfloat16()
         lse = torch.randn(B, T, H, generator=g) * 5
-        lse.view(-1)[torch.randint(0, lse.numel(), (2,), generator=g)] = EMPTY_ROW_LSE
-        bound = 50.0
-        kinds = torch.randint(0, 9, (2,), generator=g).tolist()
-        for k in kinds:  # plant up to two things at random rows (6..8: nothing)
+        extent = torch.randint(0, 3, (B, T, G), generator=g, dtype=torch.int32)  # 0: the row has no valid slot
+        for k in torch.randint(0, 13, (2,), generator=g).tolist():  # up to two plantings (6..12: nothing)
             r = int(torch.randint(0, B * T * H, (1,), generator=g))
             o, l = out.view(-1, d_v), lse.view(-1)
             if k == 0:
@@ -198,24 +187,40 @@ for B, T, H, d_v, rows, block in [(1, 7, 4, 16, 4, 8), (2, 5, 3, 24, 8, 32), (1,
             elif k == 2:
                 l[r] = -float("inf")
             elif k == 3:
-                l[r] = 1e9; o[r, -1] = float("inf")  # unusual lse: its row is read
+                l[r] = 1e9  # beyond the bound
             elif k == 4:
-                l[r] = EMPTY_ROW_LSE; o[r, 0] = float("nan")  # (never from the kernels: empty rows are 0)
+                l[r] = EMPTY_ROW_LSE  # doubtful exactly when its query row has a valid slot
             elif k == 5:
-                l[r] = -3e8  # unusual, its out fine
+                l[r] = -3e8
+        ext_rows = extent.view(-1).repeat_interleave(hg)
+        doubtful = ((lse.view(-1).abs() > 50.0) & (lse.view(-1) != EMPTY_ROW_LSE)) | (
+            (lse.view(-1) == EMPTY_ROW_LSE) & (ext_rows > 0))
         for gate_set in (False, True):
             flags = torch.zeros(8, dtype=torch.int32)
             flags[5] = int(gate_set)
-            flag_nonfinite_forward(out, lse, flags, 1, 5, bound, EMPTY_ROW_LSE, rows=rows, block=block)
-            want = rule(out, lse, gate_set, bound, rows)
-            assert flags.tolist() == [0, want, 0, 0, 0, int(gate_set), 0, 0], (flags, want, kinds, gate_set)
-            n_checked[want] += 1
-assert min(n_checked.values()) >= 30, n_checked  # both outcomes exercised
-try:
-    flag_nonfinite_forward(torch.zeros(2, 3, 8), torch.zeros(2, 4), torch.zeros(8, dtype=torch.int32), 1, 5, 1.0, -1e30)
-    raise AssertionError("expected ValueError")
-except ValueError as e:
-    assert "lse" in str(e)
+            l2 = lse.clone()
+            check_forward(out, l2, flags, 1, 5, 50.0, EMPTY_ROW_LSE, extent, hg, rows=rows, block=block)
+            want = int(bool((~torch.isfinite(lse)).any() or doubtful.any() or (gate_set and (~torch.isfinite(out)).any())))
+            assert flags.tolist() == [0, want, 0, 0, 0, int(gate_set), 0, 0], (flags, want, gate_set)
+            assert torch.isnan(l2.view(-1)[doubtful]).all()
+            assert torch.equal(l2.view(-1)[~doubtful].nan_to_num(7.0), lse.view(-1)[~doubtful].nan_to_num(7.0))
+            n_flagged[want] += 1
+            if not gate_set:  # without extent: empty rows are never doubtful
+                l3, f3 = lse.clone(), torch.zeros(8, dtype=torch.int32)
+                check_forward(out, l3, f3, 1, 5, 50.0, EMPTY_ROW_LSE, rows=rows, block=block)
+                assert torch.equal((l3 == EMPTY_ROW_LSE), (lse == EMPTY_ROW_LSE))
+assert min(n_flagged.values()) >= 30, n_flagged  # both outcomes exercised
+for bad_args in [dict(lse=torch.zeros(2, 4)), dict(lse=torch.zeros(3, 2).t()),
+                 dict(extent=torch.zeros(5, dtype=torch.int32))]:
+    kw = dict(out=torch.zeros(2, 3, 8), lse=torch.zeros(2, 3), flags=torch.zeros(8, dtype=torch.int32), slot=1,
+              gate=5, lse_bound=1.0, empty_lse=-1e30) | bad_args
+    if "out" in bad_args or kw["lse"].shape != (2, 3):
+        kw["out"] = torch.zeros(*kw["lse"].shape, 8) if kw["lse"].shape == (2, 3) else kw["out"]
+    try:
+        check_forward(**kw)
+        raise AssertionError(f"expected ValueError for {list(bad_args)}")
+    except ValueError as e:
+        assert "check_forward" in str(e)
 # kv_flag: set by the copy exactly when some kv entry is NaN, +-inf or >= 2^100 in magnitude
 idx = torch.randint(-1, 40, (2, 5, 1, 64), generator=g, dtype=torch.int32)
 for value, suspect in [(None, 0), (float("nan"), 1), (float("inf"), 1), (-float("inf"), 1), (KV_SUSPECT_BOUND, 1),
@@ -227,7 +232,7 @@ for value, suspect in [(None, 0), (float("nan"), 1), (float("inf"), 1), (-float(
         kv_flag, index_flag = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
         _, _, kv_k = prepare_indices(idx, 40, 64, index_flag, kv=kv, kv_flag=kv_flag)
         assert kv_flag.item() == suspect and index_flag.item() == 0, (value, b, row, col, kv_flag)
-        assert torch.equal(kv_k[:, :40], kv, ) if value == value else True
+        assert torch.equal(kv_k[:, :40].nan_to_num(0.0), kv.nan_to_num(0.0))
 try:
     prepare_indices(idx, 40, 64, kv_flag=torch.zeros(1, dtype=torch.int32))
     raise AssertionError("expected ValueError")
@@ -237,12 +242,14 @@ print("OK")
 """
 
 
-def test_gated_forward_check_and_kv_flag_in_interpreter():
-    """``flag_nonfinite_forward`` sets its flag exactly by its rule (lse nonfinite anywhere, or a
-    nonfinite out row that is read: gate set, or an lse of the row's chunk NaN / beyond the bound
-    but not EMPTY_ROW_LSE),
-    over random plantings and program / block splits that cut rows; ``prepare_indices``' kv_flag is
-    set exactly when a kv entry is NaN, +-inf or >= 2^100 in magnitude, at any position."""
+def test_forward_check_and_kv_flag_in_interpreter():
+    """``check_forward`` marks exactly the doubtful rows (|lse| beyond the bound but not
+    EMPTY_ROW_LSE, or EMPTY_ROW_LSE on a query row whose extent says it has a valid slot; never
+    without an extent) with lse NaN, leaves every other lse as it was, and sets its flag exactly
+    when a row is doubtful, an lse is nonfinite, or the gate is set and out is nonfinite (a NaN
+    in out under a usual lse with the gate clear is not read), over random plantings, head
+    groups and program / block splits; ``prepare_indices``' kv_flag is set exactly when a kv
+    entry is NaN, +-inf or >= 2^100 in magnitude, at any position."""
     run_interpreted(GATED)
 
 

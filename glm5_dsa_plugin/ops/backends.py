@@ -28,10 +28,11 @@ class Backend(Protocol):
     iff 0 <= index < T_kv (the guard's device-side repair reads these on every backward). With
     ``reports_nonfinite = True`` its ``backward_saved`` also takes ``nonfinite_flag`` (int32 [1])
     and sets it when dq or dkv holds NaN/inf, so the guard makes no pass of its own. With
-    ``finite_out_lse_bound(sm_scale, topk) -> float | None``, its ``forward_saving`` also takes
-    ``kv_flag`` (int32 [1]) and sets it when kv is suspect; a bound B promises that out is finite
-    in every row whose lse is finite with |lse| <= B (or EMPTY_ROW_LSE) while that flag is clear,
-    so the guard reads only lse and the rows of out left open (``guard._flag_nonfinite_forward``)."""
+    ``finite_out_lse_bound(sm_scale, topk) -> float | None`` and ``row_extent(saved)``, its
+    ``forward_saving`` also takes ``kv_flag`` (int32 [1]) and sets it when kv is suspect; a bound
+    B promises that a row is finite and exact when its lse is finite with |lse| <= B, or when it
+    is empty (EMPTY_ROW_LSE) with extent 0, while that flag is clear: the guard then reads only
+    lse, and out when the flag is set, and recomputes the other rows (``guard._check_forward``)."""
 
     name: str
 

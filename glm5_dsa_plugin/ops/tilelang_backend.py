@@ -304,28 +304,37 @@ class TileLangBackend:
         return self.safe
 
     def finite_out_lse_bound(self, sm_scale: float, topk: int) -> float | None:
-        """For the guard's forward check (``triton_helpers.flag_nonfinite_forward``): a bound B such
-        that out is finite in every row whose lse is finite with |lse| <= B (or exactly
-        EMPTY_ROW_LSE), provided ``forward_saving(..., kv_flag=f)`` left ``f`` clear; ``f`` is set
-        (in the copy of kv that index preparation makes anyway) when a kv entry is NaN, +-inf or
-        >= ``KV_SUSPECT_BOUND`` (2^100) in magnitude. None (no such bound: scan out) with
-        ``safe=False`` or topk >= 2^20.
+        """For the guard's forward check (``triton_helpers.check_forward``): a bound B such that a
+        row whose lse is finite with |lse| <= B is finite and exact (to the kernels' rounding)
+        when ``forward_saving(..., kv_flag=f)`` left ``f`` clear, and so is a row that came out
+        empty (lse EMPTY_ROW_LSE) without a valid slot (:meth:`row_extent`). ``f`` is set, in the
+        copy of kv that index preparation makes anyway, when a kv entry is NaN, +-inf or >=
+        ``KV_SUSPECT_BOUND`` (2^100) in magnitude. The guard reads out only when ``f`` is set and
+        has the reference recompute the rows left over. None (no such bound: the guard scans out)
+        with ``safe=False`` or topk >= 2^20.
 
         Why, for these kernels (running max m starts at _MASK_INIT = -2^30, raw scores; p =
-        exp2(s * c - m * c) with c = sm_scale * log2(e), so the max slot's own p is exp2 of an
-        fma rounding error e, |e| <= ulp(m * c) / 2): a NaN score makes its p, the row sum and
-        lse NaN; a +inf score makes m +inf and exp2(inf - inf) NaN. Otherwise, while
-        |m * c| < 2^27 (|e| <= 4) and m > _MASK_INIT, every p lies in [0, 16], the row sum is
-        at least the max slot's p >= 1/16, and out (the p-weighted sum of < 2^20 kv rows below
-        2^100, < 2^124, times the reciprocal row sum) stays finite. The two regimes left have
-        unusual lse: every score below -2^30 (the row sum may be denormal, its reciprocal inf)
-        gives lse < -2^30 * sm_scale - 87; |m * c| >= 2^27 gives |lse| >= 2^27 * ln 2 - 104.
-        Hence B = min(2^29 * sm_scale, 2^26). Empty rows (row sum exactly 0) store out 0.
-        Session 21's exp50 and the GPU tests compare the gated flag with a full scan over
-        poisoned and extreme q and kv."""
+        exp2(s * c - M), c = sm_scale * log2(e), M = m * c rounded, so every p of a row carries the
+        same factor 2^e, |e| <= ulp(m * c) / 2, which cancels in out and lse): a NaN score makes its
+        p, the row sum and lse NaN; a +inf score makes m +inf and exp2(inf - inf) NaN. Otherwise,
+        while |m * c| < 2^27 (|e| <= 4) and m > _MASK_INIT, every p lies in [0, 16], the row sum
+        is at least the max slot's p >= 1/16, and out (the p-weighted sum of < 2^20 kv rows below
+        2^100, < 2^124, times the reciprocal row sum) is finite and exact. The regimes left:
+        every score below -2^30 (p = 2^((s - m_init) c) may underflow: exp51 measured out NaN, or
+        out 0 and lse EMPTY_ROW_LSE, a silent wrong answer, once scores fall 1536 below -2^30) has
+        lse < -2^30 * sm_scale + ln(topk) or an empty lse on a row with a valid slot; |m * c| >=
+        2^27 has |lse| >= 2^27 * ln 2 - 104 (or an empty lse); every score -inf (fp32 overflow)
+        an empty lse. Hence B = min(2^29 * sm_scale, 2^26). Session 21's GPU tests compare the
+        check with a full scan over poisoned and extreme q and kv."""
         if not self.safe or topk >= 2**20:
             return None
         return min(2.0**29 * float(sm_scale), 2.0**26)
+
+    def row_extent(self, saved) -> torch.Tensor:
+        """int32 [B, T, G] from :meth:`forward_saving`'s ``saved``: 1 + the last valid slot of each
+        query row and kv group, 0 for a row without any (what the guard's forward check needs to
+        tell an empty row from one whose scores all underflowed)."""
+        return saved[2]
 
     def available(self) -> tuple[bool, str]:
         ok, reason = _import_status()

@@ -3,9 +3,9 @@
 * ``flag_nonfinite(x, flags, slot, y=None)``: sets ``flags[slot] = 1`` (int32, device) when ``x``
   (or ``y``) holds a NaN or +-inf, one launch, no host sync; several checks share one flags
   buffer so a caller reads all of them with one small device-to-host copy.
-* ``flag_nonfinite_forward(out, lse, flags, slot, gate, lse_bound, empty_lse)``: the same for a
-  forward's outputs, reading lse always and a row's out only where its lse is unusual or
-  ``flags[gate]`` is set (for backends whose kernels bound out through lse and kv).
+* ``check_forward(out, lse, flags, slot, gate, lse_bound, empty_lse, extent)``: the same for a
+  forward's outputs from a backend that vouches for its rows within a bound: lse read always,
+  out only when ``flags[gate]`` is set; rows outside the bound get lse NaN (and the flag).
 * ``prepare_indices(indices, n_kv, k_pad, flags, kv, kv_flag)``: the TileLang kernels' inputs in
   one launch: every slot outside [0, n_kv) -> n_kv (the zero sentinel row), topk padded to
   ``k_pad``, each row's extent (1 + position of its last valid slot), optionally ``flags[0] = 1``
@@ -72,17 +72,24 @@ def flag_nonfinite(x: torch.Tensor, flags: torch.Tensor, slot: int, y: torch.Ten
 
 
 @triton.jit
-def _nonfinite_forward_kernel(LSE, n_rows, OUT, row_len, FLAGS, slot, gate, lse_bound, empty_lse,
-                              ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p: lse rows [p * ROWS, (p + 1) * ROWS); their out entries (row_len each, contiguous)
-    are read only when FLAGS[gate] is set (written earlier on the stream) or one of those lse
-    values is unusual (NaN, or |lse| > lse_bound other than exactly empty_lse)."""
+def _check_forward_kernel(LSE, n_rows, OUT, row_len, FLAGS, slot, gate, lse_bound, empty_lse, EXT, heads_per_group,
+                          WITH_EXT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p: lse rows [p * ROWS, (p + 1) * ROWS). Doubtful rows (|lse| > lse_bound other than
+    exactly empty_lse; with WITH_EXT also empty_lse where EXT[row // heads_per_group] > 0) get lse
+    NaN; FLAGS[slot] = 1 when a row is doubtful or nonfinite, or, only read when FLAGS[gate] is
+    set (written earlier on the stream), when the chunk's out entries (row_len per row) are."""
     r0 = tl.program_id(0).to(tl.int64) * ROWS
     rows = r0 + tl.arange(0, ROWS)
-    lse = tl.load(LSE + rows, mask=rows < n_rows, other=0.0)
-    bad = tl.max(((lse - lse) != 0).to(tl.int32), axis=0)
-    unusual = tl.max(((~(tl.abs(lse) <= lse_bound)) & (lse != empty_lse)).to(tl.int32), axis=0)
-    if (unusual + tl.load(FLAGS + gate) > 0) & (bad == 0):
+    in_range = rows < n_rows
+    lse = tl.load(LSE + rows, mask=in_range, other=0.0)
+    doubtful = (tl.abs(lse) > lse_bound) & (lse != empty_lse)  # (NaN compares false: it is bad below)
+    if WITH_EXT:
+        ext = tl.load(EXT + rows // heads_per_group, mask=in_range & (lse == empty_lse), other=0)
+        doubtful = doubtful | ((lse == empty_lse) & (ext > 0))
+    doubtful = doubtful & in_range
+    tl.store(LSE + rows, tl.full([ROWS], float("nan"), tl.float32), mask=doubtful)
+    bad = tl.maximum(tl.max(((lse - lse) != 0).to(tl.int32), axis=0), tl.max(doubtful.to(tl.int32), axis=0))
+    if (tl.load(FLAGS + gate) > 0) & (bad == 0):
         end = tl.minimum(r0 + ROWS, n_rows) * row_len
         start = r0 * row_len
         while start < end:  # (a while loop: the CPU interpreter runs it too)
@@ -92,26 +99,37 @@ def _nonfinite_forward_kernel(LSE, n_rows, OUT, row_len, FLAGS, slot, gate, lse_
         tl.atomic_max(FLAGS + slot, 1)
 
 
-def flag_nonfinite_forward(out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor, slot: int, gate: int,
-                           lse_bound: float, empty_lse: float, rows: int = 1024, block: int = 4096) -> None:
-    """``flags[slot] = 1`` when lse [...] (fp32) or out [..., d_v] holds NaN / inf, reading a row's
-    out only where ``flags[gate]`` is nonzero by the time the launch runs or the row's lse is
-    unusual: NaN or larger than ``lse_bound`` in magnitude, other than exactly ``empty_lse`` (in
-    chunks of ``rows`` lse rows: one unusual value has its chunk's out rows read). For a
-    backend whose kernels make out finite wherever lse is finite and usual and the gate is clear
-    (``TileLangBackend.finite_out_lse_bound``): then the result equals ``flag_nonfinite(out, ...,
-    lse)``'s, from a read of lse alone (1 / d_v of out's entries). One launch, no host sync."""
+def check_forward(out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor, slot: int, gate: int,
+                  lse_bound: float, empty_lse: float, extent: torch.Tensor | None = None, heads_per_group: int = 1,
+                  rows: int = 1024, block: int = 4096) -> None:
+    """The guard's forward check for a backend that vouches for its rows within a bound
+    (``TileLangBackend.finite_out_lse_bound``): reads lse [...] (fp32, contiguous: written in
+    place) and out [..., d_v] only where it must. A row is doubtful when its lse is larger than
+    ``lse_bound`` in magnitude (other than exactly ``empty_lse``) or, with ``extent`` (int32,
+    one entry per ``heads_per_group`` consecutive lse rows: > 0 when that query row has a valid
+    slot), when it came out empty although it has a valid slot; a doubtful row's lse becomes NaN,
+    so the guard's repair recomputes it. ``flags[slot] = 1`` when some row is doubtful, some lse
+    is NaN / inf, or, read only when ``flags[gate]`` is nonzero by the time the launch runs, out
+    is (in chunks of ``rows`` rows: a doubtful or nonfinite lse skips its chunk's read). The
+    backend's promise makes this flag set whenever ``flag_nonfinite(out, ..., lse)``'s would be,
+    from a read of lse alone (1 / d_v of out's entries) while the gate is clear. One launch, no
+    host sync."""
     if flags.dtype != torch.int32 or not 0 <= gate < flags.numel() or not 0 <= slot < flags.numel():
-        raise ValueError(f"flag_nonfinite_forward: int32 flags with slots {slot} and {gate} expected")
-    if lse.dtype != torch.float32 or out.shape[:-1] != lse.shape:
-        raise ValueError(f"flag_nonfinite_forward: fp32 lse {tuple(lse.shape)} with out {tuple(out.shape)} "
+        raise ValueError(f"check_forward: int32 flags with slots {slot} and {gate} expected")
+    if lse.dtype != torch.float32 or not lse.is_contiguous() or out.shape[:-1] != lse.shape:
+        raise ValueError(f"check_forward: contiguous fp32 lse {tuple(lse.shape)} with out {tuple(out.shape)} "
                          "[..., d_v] expected")
-    out, lse = out.contiguous(), lse.contiguous()
+    if extent is not None and (extent.dtype != torch.int32 or extent.numel() * heads_per_group != lse.numel()):
+        raise ValueError(f"check_forward: int32 extent with {lse.numel()} / {heads_per_group} entries expected, "
+                         f"got {extent.dtype} {tuple(extent.shape)}")
+    out = out.contiguous()
     n_rows = lse.numel()
     if n_rows:
-        _nonfinite_forward_kernel[(triton.cdiv(n_rows, rows),)](lse.view(-1), n_rows, out.view(-1), out.shape[-1],
-                                                                 flags, slot, gate, float(lse_bound),
-                                                                 float(empty_lse), ROWS=rows, BLOCK=block)
+        ext = lse if extent is None else extent.contiguous().view(-1)
+        _check_forward_kernel[(triton.cdiv(n_rows, rows),)](lse.view(-1), n_rows, out.view(-1), out.shape[-1], flags,
+                                                             slot, gate, float(lse_bound), float(empty_lse), ext,
+                                                             heads_per_group, WITH_EXT=extent is not None, ROWS=rows,
+                                                             BLOCK=block)
 
 
 @triton.jit
