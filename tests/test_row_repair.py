@@ -123,6 +123,19 @@ def case(B, T, T_kv, H, G, K, d_v, d_t, dtype):
 
 case(2, 9, 13, 4, 2, 40, 32, 16, torch.float32)   # G=2, topk not a multiple of the slot step
 case(1, 7, 11, 20, 1, 24, 64, 8, torch.bfloat16)  # 20 heads: two head blocks, one partial
+# scores near -2^30 (lse about -1.3e8, whose fp32 rounding is several units): p normalised by
+# the row sum, not exp(score - lse), so out is still the reference's (here a mean of kv rows)
+q = torch.zeros(1, 3, 2, 48); q[0, 1, :, :32] = -(2.0**25)
+kv = torch.ones(1, 20, 1, 48); kv[0, :, 0, 0] = 1 + 0.5 * (torch.arange(20) % 3 - 1); kv[0, :, 0, 1] = 2 - kv[0, :, 0, 0]
+idx = torch.randint(0, 20, (1, 3, 1, 16), generator=g, dtype=torch.int32)
+want_out, want_lse = reference.forward(q.double(), kv.double(), idx, 0.125, 32)
+out, lse = torch.zeros(1, 3, 2, 32), torch.zeros(1, 3, 2)
+lse[0, 1] = float("nan")
+flags = torch.zeros(8, dtype=torch.int32); flags[1] = 1
+repair_forward_rows(q, kv, idx, 0.125, 32, out, lse, flags)
+assert abs(float(want_lse[0, 1, 0])) > 1e8
+torch.testing.assert_close(out[0, 1].double(), want_out[0, 1], rtol=1e-5, atol=1e-6)
+torch.testing.assert_close(lse[0, 1], want_lse[0, 1], rtol=1e-7, atol=0)
 print("OK")
 """
 
@@ -130,5 +143,5 @@ print("OK")
 def test_device_forward_repair_matches_reference_in_interpreter():
     """The forward's device-side repair: poisoned rows (every head) come back equal to the
     reference, other rows bit for bit, the empty row as the contract says; counters and the
-    still-nonfinite flag as for the backward."""
+    still-nonfinite flag as for the backward; a row of huge scores (|lse| > 1e8) exact too."""
     run_interpreted(FORWARD_SCRIPT)

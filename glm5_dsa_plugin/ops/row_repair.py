@@ -146,13 +146,16 @@ def _scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16: tl.constexpr, PREC: tl.co
 
 
 @triton.jit
-def _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V: tl.constexpr, D_T: tl.constexpr,
-             BV: tl.constexpr, BT: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
-             BF16: tl.constexpr):
+def _row_softmax(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V: tl.constexpr, D_T: tl.constexpr,
+                 BV: tl.constexpr, BT: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
+                 BF16: tl.constexpr):
     """One pass over a row's slots -> (empty [HB]: no valid slot; lse [HB], natural log, 0 for an
-    empty row, so that exp(score - lse) is 0 at every slot). Empty means a zero softmax sum, not
-    a -inf max: a row whose scores are all NaN keeps a -inf max (the max ignores NaN) and is not
-    empty; its sum, and so its lse, is NaN."""
+    empty row; m [HB], the row max (0 for an empty row); inv_l [HB], 1 / the softmax sum taken
+    against m). A slot's p is exp(score - m) * inv_l: 0 at every slot of an empty row, and exact
+    where exp(score - lse) is not (|lse| ~ 1e7 and more, where lse's rounding is several units:
+    exp of it would scale every p). Empty means a zero softmax sum, not a -inf max: a row whose
+    scores are all NaN keeps a -inf max (the max ignores NaN) and is not empty; its sum, and so
+    its lse and p, are NaN."""
     m_i = tl.full([HB], float("-inf"), tl.float32)
     l_i = tl.zeros([HB], tl.float32)
     for s0 in range(0, K, BS):
@@ -163,7 +166,8 @@ def _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V: t
         l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
         m_i = m_new
     empty = l_i == 0
-    return empty, tl.where(empty, 0.0, m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    return empty, tl.where(empty, 0.0, m_i + tl.log(tl.where(empty, 1.0, l_i))), m_safe, 1.0 / tl.where(empty, 1.0, l_i)
 
 
 @triton.jit
@@ -229,13 +233,14 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
         h, mh, qrow, q_v, q_t = _load_head_block(Q, row, g, hb, H, HG, D_V, D_T, BV, BT, HB)
         do = tl.load(DO + (row * H + h[:, None]) * D_V + ov[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
         # pass 1: row max and softmax denominator per head
-        _, lse = _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T, BV, BT, HB, BS,
-                          PREC, BF16)
+        _, _, m, inv_l = _row_softmax(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T, BV, BT,
+                                      HB, BS, PREC, BF16)
         # pass 2: Delta = sum_j p_j * dp_j
         delta = tl.zeros([HB], tl.float32)
         for s0 in range(0, K, BS):
             valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
-            p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - lse[:, None])  # 0 where invalid
+            # 0 where invalid
+            p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - m[:, None]) * inv_l[:, None]
             dp = _mm(do, tl.trans(k_v), BF16, PREC)
             delta += tl.sum(p * dp, 1)
         # pass 3: dS, dq, and the contributions to bad kv rows
@@ -243,7 +248,8 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
         dq_t = tl.zeros([HB, BT], tl.float32)
         for s0 in range(0, K, BS):
             valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV, BT, BS)
-            p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - lse[:, None])  # 0 where invalid
+            # 0 where invalid
+            p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - m[:, None]) * inv_l[:, None]
             dp = _mm(do, tl.trans(k_v), BF16, PREC)
             ds = p * (dp - delta[:, None]) * sm_scale
             dq_v += _mm(ds, k_v, BF16, PREC)
@@ -363,13 +369,13 @@ def _repair_forward_rows(Q, KV, IDX, OUT, LSE, BAD_Q, FLAGS, n_rows, T, T_kv, H:
                     i_base = b * s_ib + t * s_it + g * s_ig
                     kv_base = b * s_kb + g * s_kg
                     h, mh, _, q_v, q_t = _load_head_block(Q, row, g, hb, H, HG, D_V, D_T, BV, BT, HB)
-                    empty, lse = _row_lse(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale, D_V, D_T,
-                                          BV, BT, HB, BS, PREC, BF16)
+                    empty, lse, m, inv_l = _row_softmax(q_v, q_t, KV, IDX, i_base, kv_base, K, T_kv, s_ks, sm_scale,
+                                                        D_V, D_T, BV, BT, HB, BS, PREC, BF16)
                     o = tl.zeros([HB, BV], tl.float32)
                     for s0 in range(0, K, BS):
                         valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV,
                                                             BT, BS)
-                        p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - lse[:, None])
+                        p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - m[:, None]) * inv_l[:, None]
                         o += _mm(p, k_v, BF16, PREC)
                     x = o.to(OUT.dtype.element_ty)  # a row with no valid slot: p == 0, out exactly 0
                     lse = tl.where(empty, EMPTY_LSE, lse)
