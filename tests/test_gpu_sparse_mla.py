@@ -445,8 +445,8 @@ def test_rows_whose_scores_all_underflow_are_recomputed(H):
         qq = q.clone().requires_grad_(True)
         out2, _ = sparse_mla(qq, kv, idx, SCALE, backend="tilelang")  # device-side repair
         assert rel_l2(out2[row].detach(), r_out[0, row]) <= 3e-3
-        with pytest.warns(RuntimeWarning, match="repaired"):
-            out2.float().sum().backward()
+        out2.float().sum().backward()  # settles the call's flags (the warning was given once already)
+        assert guard_stats()["rows_repaired"] >= 2
         others = torch.ones(T, dtype=torch.bool, device="cuda")
         others[row] = False
         assert rel_l2(out[others], r_out[0][others]) <= 3e-3
