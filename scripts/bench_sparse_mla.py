@@ -451,7 +451,8 @@ def main():
         bound = TileLangBackend().finite_out_lse_bound(SCALE, idx.shape[-1])
         ext_ = (idx >= 0).any(-1).to(torch.int32)  # (as row_extent: > 0 where a row has a valid slot)
         extra["W2_H64_guard_check_fwd_gated_ms"] = bench(
-            lambda: check_forward(o_, l_, gated, 1, KV_SUSPECT_SLOT, bound, EMPTY_ROW_LSE, ext_, l_.shape[-1] // ext_.shape[-1]))
+            lambda: check_forward(o_, l_, gated, 1, KV_SUSPECT_SLOT, bound, EMPTY_ROW_LSE, ext_,
+                                  l_.shape[-1] // ext_.shape[-1]))
         assert gated.tolist() == [0] * FLAG_SLOTS
         dq_, dkv_ = torch.randn_like(q), torch.randn_like(kv)
         extra["W2_H64_guard_scan_bwd_ms"] = bench(lambda: flag_nonfinite(dq_, flags, 1, dkv_))

@@ -396,13 +396,15 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
     full = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
     flag_nonfinite(out, full, 1, lse)
     bound, extent = be.finite_out_lse_bound(SCALE, idx.shape[-1]), be.row_extent(saved)
-    doubtful = ((lse.abs() > bound) & (lse != EMPTY_ROW_LSE)) | ((lse == EMPTY_ROW_LSE) & (extent.repeat_interleave(H, -1) > 0))
+    has_slot = extent.repeat_interleave(H, -1) > 0
+    doubtful = ((lse.abs() > bound) & (lse != EMPTY_ROW_LSE)) | ((lse == EMPTY_ROW_LSE) & has_slot)
     before = lse.clone()
     check_forward(out, lse, flags, 1, KV_SUSPECT_SLOT, bound, EMPTY_ROW_LSE, extent, H)
     suspect, must_flag = GATED_CASES[case]
     assert int(flags[KV_SUSPECT_SLOT]) == suspect
     assert int(flags[1]) == int(bool(full[1]) or bool(doubtful.any())), (case, flags.tolist(), full.tolist())
-    assert torch.isnan(lse[doubtful]).all() and torch.equal(lse[~doubtful].nan_to_num(7.0), before[~doubtful].nan_to_num(7.0))
+    assert torch.isnan(lse[doubtful]).all()
+    assert torch.equal(lse[~doubtful].nan_to_num(7.0), before[~doubtful].nan_to_num(7.0))
     if must_flag is not None:
         assert int(full[1]) == must_flag
     if case == "clean":

@@ -7,8 +7,8 @@ Detection: after each fast-backend call, one device-side finiteness pass over th
 ``reports_nonfinite`` sets the backward's flag itself, in work it does anyway (TileLang: dq
 tested in the warp-specialised kernel's registers, dKV in its conversion pass). A backend with
 ``finite_out_lse_bound`` flags suspect kv during its forward; the forward's pass then reads lse,
-and out only when kv is suspect (TileLang: out is d_v times the size of lse; 15 us instead of
-72 at T = 4096, H = 64), and marks the rows the backend does not vouch for (an lse beyond its
+and out only when kv is suspect (TileLang: out is d_v times the size of lse; 17-19 us instead
+of 73 at T = 4096, H = 64, exp52), and marks the rows the backend does not vouch for (an lse beyond its
 bound, or an empty row that has a valid slot: every score underflowed) as nonfinite, so that
 they are recomputed like any other bad row. The forward's
 flags also carry the deferred index-validation flag of a backend memory-safe for any index (see
@@ -211,8 +211,9 @@ def _event(kind: str, backend, inputs: dict, bad, n_rows: int, extra: dict | Non
     path = _dump(kind, backend.name, inputs, bad, extra)
     if _cfg.policy == "raise":
         raise FloatingPointError(
-            f"sparse_mla {kind} ({backend.name}) produced nonfinite values in {n_rows} row(s); "
-            f"inputs dumped to {path or (_stats.dumps[-1] if _stats.dumps else 'nowhere (dump_every)')}"
+            f"sparse_mla {kind} ({backend.name}) produced nonfinite values (or, forward, rows outside the range its "
+            f"kernels are exact in) in {n_rows} row(s); inputs dumped to "
+            f"{path or (_stats.dumps[-1] if _stats.dumps else 'nowhere (dump_every)')}"
         )
     return path
 
@@ -223,7 +224,8 @@ def _warn_repaired(kind: str, backend, n_rows: int, path: str | None, stacklevel
     if not _cfg.warned:
         _cfg.warned = True
         warnings.warn(
-            f"sparse_mla {kind} ({backend.name}) produced nonfinite values in {n_rows} row(s); repaired "
+            f"sparse_mla {kind} ({backend.name}) produced nonfinite values (or, forward, rows outside the range its "
+            f"kernels are exact in) in {n_rows} row(s); repaired "
             f"row-wise with the reference (GLM5_DSA_NONFINITE=fallback). Dump: {path}. Further events are "
             f"counted in glm5_dsa_plugin.ops.guard_stats() without warning.",
             RuntimeWarning,

@@ -375,7 +375,8 @@ def _repair_forward_rows(Q, KV, IDX, OUT, LSE, BAD_Q, FLAGS, n_rows, T, T_kv, H:
                     for s0 in range(0, K, BS):
                         valid, rows, k_v, k_t = _slot_block(KV, IDX, i_base, kv_base, s0, K, T_kv, s_ks, D_V, D_T, BV,
                                                             BT, BS)
-                        p = tl.exp(_scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC) - m[:, None]) * inv_l[:, None]
+                        s = _scores(q_v, q_t, k_v, k_t, valid, sm_scale, BF16, PREC)
+                        p = tl.exp(s - m[:, None]) * inv_l[:, None]
                         o += _mm(p, k_v, BF16, PREC)
                     x = o.to(OUT.dtype.element_ty)  # a row with no valid slot: p == 0, out exactly 0
                     lse = tl.where(empty, EMPTY_LSE, lse)

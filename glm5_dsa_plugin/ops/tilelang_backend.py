@@ -320,8 +320,8 @@ class TileLangBackend:
         while |m * c| < 2^27 (|e| <= 4) and m > _MASK_INIT, every p lies in [0, 16], the row sum
         is at least the max slot's p >= 1/16, and out (the p-weighted sum of < 2^20 kv rows below
         2^100, < 2^124, times the reciprocal row sum) is finite and exact. The regimes left:
-        every score below -2^30 (p = 2^((s - m_init) c) may underflow: exp51 measured out NaN, or
-        out 0 and lse EMPTY_ROW_LSE, a silent wrong answer, once scores fall 1536 below -2^30) has
+        every score below -2^30 (p = 2^((s - m_init) c) may underflow; exp51: scores 1536 below it
+        gave out NaN, 2048 below out 0 and lse EMPTY_ROW_LSE, silently until session 21) has
         lse < -2^30 * sm_scale + ln(topk) or an empty lse on a row with a valid slot; |m * c| >=
         2^27 has |lse| >= 2^27 * ln 2 - 104 (or an empty lse); every score -inf (fp32 overflow)
         an empty lse. Hence B = min(2^29 * sm_scale, 2^26). Session 21's GPU tests compare the
