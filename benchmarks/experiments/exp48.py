@@ -1,4 +1,4 @@
-"""exp48 (prepared in session 20, not run): the warp-specialised forward with its in-register
+"""exp48 (prepared in session 20, run in session 21: not landed, see NOTES): the warp-specialised forward with its in-register
 nonfinite test (make_exp48.py; run it first, from the repository root) against the tree's kernel,
 raw launches in alternating rounds at W2 H64 and W1 H64 (one row per block), beside the guard's
 Triton scan of out + lse that the test would replace. Checks: out / lse bitwise equal to the

@@ -1,4 +1,4 @@
-"""exp49 (prepared in session 20, not run): the warp-specialised backward storing dq through the dead
+"""exp49 (prepared in session 20, run in session 21, landed): the warp-specialised backward storing dq through the dead
 Q tile (make_exp49.py; run it first, from the repository root) against the tree's kernel, through
 TileLangBackend.backward_saved with the kernel builder patched in turn, alternating rounds, W2 H64
 and W1 H64 (one row per block). dq must be bitwise equal (same values, another store path)."""

@@ -1,4 +1,5 @@
-"""exp50 (prepared in session 20, not run): a prototype of the guard check worked out in NOTES
+"""exp50 (prepared in session 20, run in session 21; landed as triton_helpers.check_forward,
+which also marks the rows the kernels cannot vouch for): a prototype of the guard check worked out in NOTES
 ("Leads after session 20"): for the TileLang kernels, lse finite and every kv entry finite with
 |kv| < 2^100 imply out finite, so the forward's scan could read lse always and out only when kv
 is suspect. Here two Triton launches stand in for the design (in the design the kv test rides in

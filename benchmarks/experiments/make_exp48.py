@@ -1,4 +1,4 @@
-"""exp48 (prepared in session 20, not run): the warp-specialised forward tests out / lse for NaN / inf
+"""exp48 (prepared in session 20, run in session 21: not landed, see NOTES): the warp-specialised forward tests out / lse for NaN / inf
 in registers (``_flag_nonfinite``) and sets Flags[0], on top of the tree's reciprocal epilogue
 (session 19's exp42 measured the same test at +10-12% of the kernel on the per-entry-division
 epilogue). Writes glm5_dsa_plugin/ops/_exp48.py (ignored by git) from the tree's kernels (v22,

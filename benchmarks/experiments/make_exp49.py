@@ -1,4 +1,5 @@
-"""exp49 (prepared in session 20, not run): the warp-specialised backward (one row per block) stores
+"""exp49 (prepared in session 20, run in session 21 and landed in 8363723, so its text
+edit no longer matches the tree (it asserts and stops)): the warp-specialised backward (one row per block) stores
 dq through the dead Q tile, as the forward stores out (exp32: 4% of that kernel at W1): acc_dq
 into q_s[:, 0:d_v] as bf16 by both MMA warpgroups (each its own columns: FullCol splits d_v
 between them, and each has finished reading its columns of Q by then; the rope-tail chunk after
