@@ -358,7 +358,7 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
     """The guard's forward check for this backend (kv flagged in index preparation, lse read, out
     read only when kv is suspect) flags whenever a full scan of out and lse does, on every kernel
     path, over poisoned q and kv and the regimes ``finite_out_lse_bound`` argues about: every
-    score of a row below the running max's start (-2^30: the row sum denormal), scores with
+    score of a row below -2^30 (the running max's start until session 22), scores with
     |m * c| >= 2^27, scores that overflow fp32, kv entries of 2^99 (not suspect) and 2^101. It
     flags more only for doubtful rows (lse beyond the bound, or empty with a valid slot), whose
     lse it sets to NaN, every other lse untouched; in the clean case nothing."""
@@ -383,7 +383,8 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
     }
     if case == "scores_below_mask_init":
         # kv all ones; the row's scores all exactly -(2^30 + 2048) (multiples of 128 below 2^31:
-        # exact in fp32 in any order): every p underflows (exp51: out 0, lse EMPTY_ROW_LSE)
+        # exact in fp32 in any order): until session 22 every p underflowed (exp51: out 0, lse
+        # EMPTY_ROW_LSE); now the row is exact, its lse (about -6.7e7) beyond the bound
         kv.fill_(1.0)
         q[0, row, h].zero_()
         q[0, row, h, :512] = -(2.0**21)
@@ -410,15 +411,15 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
     if case == "clean":
         assert not doubtful.any() and int(flags[1]) == 0
     if case == "scores_below_mask_init":
-        assert doubtful[0, row, h]  # the row the kernels return empty: recomputed by the guard
+        assert doubtful[0, row, h]  # lse beyond the bound: recomputed by the guard
 
 
 @pytest.mark.parametrize("H", [64, 16])
 def test_rows_whose_scores_all_underflow_are_recomputed(H):
     """Through the op (``fallback``, without grad and under autograd): a row whose scores are all
-    far below -2^30 came out of the kernels as an empty row (out 0, lse EMPTY_ROW_LSE: exp51),
-    silently; the guard now recomputes it, so out and lse equal the fp64 reference there and
-    every other row is the kernels' own."""
+    far below -2^30 (until session 22 the kernels returned it as an empty row, out 0, lse
+    EMPTY_ROW_LSE: exp51; now right, with an lse beyond the check's bound) is recomputed by the
+    guard, so out and lse equal the fp64 reference there and every other row is the kernels' own."""
     from glm5_dsa_plugin.ops import configure, guard_stats, reset_guard_stats
 
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -455,6 +456,47 @@ def test_rows_whose_scores_all_underflow_are_recomputed(H):
     finally:
         configure(policy="fallback")
         reset_guard_stats()
+
+
+@pytest.mark.parametrize("H,options", NONFINITE_PATHS)
+def test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels(H, options):
+    """The kernels alone (no guard) on every forward path: rows whose scores all lie far below
+    -2^30 (exactly -(2^30 + 2048) and -(2^30 + 2^27)) equal the fp64 reference, and so do rows whose
+    first slot blocks are all padding (the running max -inf through them) and every other row; the
+    empty row is an empty row. The running max starts at -inf since session 22; at -2^30 the first
+    such row came out empty (out 0, lse EMPTY_ROW_LSE: exp51), which only the guard caught."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    T, T_kv, K = 256, 512, 192
+    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    # kv rows of ones but for entries 0 / 1 = 1 + a / 1 - a (a in {-0.5, 0, 0.5}): the far rows' scores
+    # stay constant while their out (the mean of the selected rows) is not
+    kv = torch.ones(1, T_kv, 1, 576, device="cuda", dtype=torch.bfloat16)
+    a = (torch.randint(0, 3, (T_kv,), generator=gen, device="cuda") - 1).to(torch.bfloat16) * 0.5
+    kv[0, :, 0, 0], kv[0, :, 0, 1] = 1 + a, 1 - a
+    idx = torch.randint(0, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
+    far = (77, 150)
+    for row in far:
+        q[0, row].zero_()
+        q[0, row, :, :512] = -(2.0**21)
+    q[0, 77, :, 512:528] = -128.0  # -(2^30 + 2048)
+    q[0, 150, :, 512:576] = -(2.0**21)  # -(2^30 + 2^27)
+    idx[0, (77, 100), :, :64] = -1
+    idx[0, 101, :, :128] = -1
+    idx[0, 9] = -1
+    out, lse, _ = TileLangBackend(**options).forward_saving(q, kv, idx, SCALE, 512)
+    r_out, r_lse = ref.forward(q.double(), kv.double(), idx, SCALE, 512)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    for row in far:
+        assert (out[0, row] != 0).any()
+        assert rel_l2(out[0, row], r_out[0, row]) <= 3e-3, row
+        torch.testing.assert_close(lse[0, row], r_lse[0, row], rtol=1e-6, atol=0)  # (both fp32)
+    assert rel_l2(out[0], r_out[0]) <= 3e-3
+    near = torch.ones(T, dtype=torch.bool, device="cuda")
+    near[list(far)] = False
+    torch.testing.assert_close(lse[0, near], r_lse[0, near], rtol=1e-4, atol=1e-3)
+    assert (out[0, 9] == 0).all() and (lse[0, 9] == EMPTY_ROW_LSE).all()
 
 
 def test_nonfinite_inputs_raise_under_the_guard(tmp_path):

@@ -130,6 +130,35 @@ def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
     assert divisions == ["(0x1p+0f/*1.000000e+00*/"] * (2 if kind == "ws" else 1), divisions
 
 
+@pytest.mark.parametrize("kind,heads,R", [("ws", 64, 1), ("ws", 8, 8), ("classic", 64, 1), ("classic", 16, 4)])
+def test_forward_running_max_starts_at_minus_inf(kind, heads, R):
+    """Every forward starts its running max at -inf and takes its exponents from 0 while the max
+    is -inf (``_exp_base``): the p of the block and the rescale of out (ws: at both folds of the
+    block's max and in the softmax of each MMA warpgroup, and at warpgroup 0's rescale to the pair's
+    max: 5; classic: the rescale and the softmax, in each copy of the loop the pipeliner makes). The
+    finite start (-2^30) gave a row whose scores all lay 2048 below it out 0 and an empty row's lse
+    (exp51). The GPU test ``test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels``
+    checks the values."""
+    import re
+
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
+
+    if kind == "ws":
+        k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
+    else:
+        k = sparse_mla_fwd_kernel(heads, 512, 64, 2048, 1, 256**-0.5, num_stages=1 if R > 1 else 2,
+                                  rows_per_block=R, target=SM90)
+    src = k.get_kernel_source()
+    assert "0x1p+30f" not in src
+    starts = re.findall(r"float broadcast_var_\d+ = (\S+);\n\s*\*\(float2\*\)\(m\d? \+ 0\)", src)
+    assert starts == ["-CUDART_INF_F"] * (2 if kind == "ws" else 1), starts
+    bases = re.findall(r"if \(\(\(?[^\n]*(?:m\w*\[|max_s\)\[)[^\n]* == -CUDART_INF_F\)\)", src)
+    if kind == "ws":
+        assert len(bases) == 5, bases
+    else:
+        assert len(bases) >= 2 and len(bases) % 2 == 0, bases
+
+
 @pytest.mark.parametrize("ws,heads,R", [(True, 64, 1), (True, 8, 8), (False, 16, 1), (False, 16, 4)])
 def test_backward_index_checks_cannot_wrap(ws, heads, R):
     """Every comparison of an index with kv_rows is made in int64: TVM rewrites ``idx < kv_rows - 1``

@@ -9,7 +9,7 @@ tested in the warp-specialised kernel's registers, dKV in its conversion pass). 
 ``finite_out_lse_bound`` flags suspect kv during its forward; the forward's pass then reads lse,
 and out only when kv is suspect (TileLang: out is d_v times the size of lse; 17-19 us instead
 of 73 at T = 4096, H = 64, exp52), and marks the rows the backend does not vouch for (an lse beyond its
-bound, or an empty row that has a valid slot: every score underflowed) as nonfinite, so that
+bound, or an empty row that has a valid slot: every score came out -inf) as nonfinite, so that
 they are recomputed like any other bad row. The forward's
 flags also carry the deferred index-validation flag of a backend memory-safe for any index (see
 ``backends.Backend``).

@@ -313,18 +313,19 @@ class TileLangBackend:
         has the reference recompute the rows left over. None (no such bound: the guard scans out)
         with ``safe=False`` or topk >= 2^20.
 
-        Why, for these kernels (running max m starts at _MASK_INIT = -2^30, raw scores; p =
-        exp2(s * c - M), c = sm_scale * log2(e), M = m * c rounded, so every p of a row carries the
-        same factor 2^e, |e| <= ulp(m * c) / 2, which cancels in out and lse): a NaN score makes its
-        p, the row sum and lse NaN; a +inf score makes m +inf and exp2(inf - inf) NaN. Otherwise,
-        while |m * c| < 2^27 (|e| <= 4) and m > _MASK_INIT, every p lies in [0, 16], the row sum
-        is at least the max slot's p >= 1/16, and out (the p-weighted sum of < 2^20 kv rows below
-        2^100, < 2^124, times the reciprocal row sum) is finite and exact. The regimes left:
-        every score below -2^30 (p = 2^((s - m_init) c) may underflow; exp51: scores 1536 below it
-        gave out NaN, 2048 below out 0 and lse EMPTY_ROW_LSE, silently until session 21) has
-        lse < -2^30 * sm_scale + ln(topk) or an empty lse on a row with a valid slot; |m * c| >=
-        2^27 has |lse| >= 2^27 * ln 2 - 104 (or an empty lse); every score -inf (fp32 overflow)
-        an empty lse. Hence B = min(2^29 * sm_scale, 2^26). Session 21's GPU tests compare the
+        Why, for these kernels (running max m starts at -inf, exponents taken from 0 while it is
+        -inf; raw scores; p = exp2(s * c - M), c = sm_scale * log2(e), M = m * c rounded, so every
+        p of a row carries the same factor 2^e, |e| <= ulp(m * c) / 2, which cancels in out and
+        lse): a NaN score makes its p, the row sum and lse NaN; a +inf score makes m +inf and
+        exp2(inf - inf) NaN. Otherwise, while |m * c| < 2^27 (|e| <= 4), every p lies in [0, 16],
+        the row sum is at least the max slot's p >= 1/16, and out (the p-weighted sum of < 2^20
+        kv rows below 2^100, < 2^124, times the reciprocal row sum) is finite and exact. The
+        regimes left: |m * c| >= 2^27 has |lse| >= 2^27 * ln 2 - 104 (or an empty lse); every
+        score -inf (fp32 overflow) an empty lse on a row with a valid slot. Hence B = min(2^29 *
+        sm_scale, 2^26). (Until session 22 the running max started at -2^30, and a row whose
+        scores all lay 2048 below it came out empty, exp51, which the check caught as an empty
+        row with a valid slot; such a row now comes out right, with |lse| > 2^30 * sm_scale -
+        ln(topk) > B, and the guard still recomputes it.) Session 21's GPU tests compare the
         check with a full scan over poisoned and extreme q and kv."""
         if not self.safe or topk >= 2**20:
             return None
@@ -333,7 +334,7 @@ class TileLangBackend:
     def row_extent(self, saved) -> torch.Tensor:
         """int32 [B, T, G] from :meth:`forward_saving`'s ``saved``: 1 + the last valid slot of each
         query row and kv group, 0 for a row without any (what the guard's forward check needs to
-        tell an empty row from one whose scores all underflowed)."""
+        tell an empty row from one whose scores all came out -inf)."""
         return saved[2]
 
     def available(self) -> tuple[bool, str]:

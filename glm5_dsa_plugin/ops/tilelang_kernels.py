@@ -60,7 +60,6 @@ PASS_CONFIGS = {
 
 BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
 SUPPORTED_SPLITS = {(512, 64), (256, 64)}  # (d_v, d_tail): the splits proven on the H200
-_MASK_INIT = -(2**30)  # running-max init: finite, so -inf - m never makes NaN
 
 
 def built_once(builder):
@@ -183,6 +182,15 @@ def gather_row(idx, n_rows, select):
     if not select:
         return idx
     return T.if_then_else(valid_slot(idx, n_rows), idx, n_rows)
+
+
+def _exp_base(m):
+    """The running max m [fp32] as the exponents' base: m, or 0 while m is -inf (every slot so far
+    masked), so that exp2(s * c - base * c) and the rescale exp2((m_old - base) * c) are 0, not
+    NaN, for such a row. The running max starts at -inf: a finite start (-2^30 until session 22)
+    underflowed every p of a row whose scores all lay 2048 or more below it (out 0 and an empty
+    row's lse, silently: exp51)."""
+    return T.if_then_else(m == -T.infinity(T.float32), T.float32(0), m)
 
 
 @T.macro
@@ -374,7 +382,7 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
             if in_bucket(slot_blocks(Extent[b, s, g], BI), lo, NI, K // BI):
                 T.fill(acc_o, 0)
                 T.fill(row_sum, 0)
-                T.fill(m, _MASK_INIT)
+                T.fill(m, -T.infinity(acc))
                 h0 = g * hg + (bx % rep) * h_blk
                 for h, d in T.Parallel(h_blk, D):
                     q_s[h, d] = load_rows(Q, b, s, h0, h, d, S)
@@ -399,9 +407,9 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                     T.reduce_max(acc_s, m, dim=1, clear=False)
                     for h in T.Parallel(h_blk):
                         m[h] = T.max(m[h], m_prev[h])
-                        alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
+                        alpha[h] = T.exp2((m_prev[h] - _exp_base(m[h])) * scale2)
                     for h, j in T.Parallel(h_blk, BI):
-                        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
+                        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - _exp_base(m[h]) * scale2)
                     T.reduce_sum(acc_s, blk_sum, dim=1)
                     for h in T.Parallel(h_blk):
                         row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
@@ -584,7 +592,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         # acc_s -> P under the running max w.m (already folded with this block's max); row sums
         # and out rescaled by alpha (the previous max over the new one)
         for h, j in T.Parallel(h_blk, BI):
-            w.acc_s[h, j] = T.exp2(w.acc_s[h, j] * scale2 - w.m[h] * scale2)
+            w.acc_s[h, j] = T.exp2(w.acc_s[h, j] * scale2 - _exp_base(w.m[h]) * scale2)
         T.reduce_sum(w.acc_s, w.blk_sum, dim=1)
         for h in T.Parallel(h_blk):
             w.row_sum[h] = w.row_sum[h] * w.alpha[h] + w.blk_sum[h]
@@ -598,7 +606,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         # warpgroup 1 into warpgroup 0's just published one, which makes its result the pair's
         for h in T.Parallel(h_blk):
             w.m_blk[h] = T.max(w.m[h] if c == 0 else w.max_s[0, h], w.m_blk[h])
-            w.alpha[h] = T.exp2((w.m[h] - w.m_blk[h]) * scale2)
+            w.alpha[h] = T.exp2((w.m[h] - _exp_base(w.m_blk[h])) * scale2)
             w.m[h] = w.m_blk[h]
             w.max_s[c, h] = w.m_blk[h]
         T.barrier_arrive(w.max_ready[c])
@@ -616,7 +624,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         # in buffer 0's rope-tail columns (acc_s, not the GEMM's operand p)
         T.barrier_wait(w.max_ready[1], i & 1)
         for h in T.Parallel(h_blk):
-            w.alpha[h] = T.exp2((w.m[h] - w.max_s[1, h]) * scale2)
+            w.alpha[h] = T.exp2((w.m[h] - _exp_base(w.max_s[1, h])) * scale2)
             w.m[h] = w.max_s[1, h]
             w.row_sum[h] = w.row_sum[h] * w.alpha[h]
         for h, j in T.Parallel(h_blk, BI):
@@ -663,7 +671,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         T.set_max_nreg(232, 1)
         T.fill(w.acc_o, 0)
         T.fill(w.row_sum, 0)
-        T.fill(w.m, _MASK_INIT)
+        T.fill(w.m, -T.infinity(acc))
         mask_block(w, c)
         T.barrier_wait(w.q_full, 0)
         for i in T.serial((w.nb + 1) // 2):
