@@ -943,7 +943,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     the drain's atomics and the gathers want more than 40). Prologue (nothing overlaps it: one
     CTA per SM): block 0's gather is issued first, the Q / dO tiles load in 16-byte vectors
     (``vector_rows``), and Delta reads dO from its shared tile (exp47: together 6.4% off the W2
-    H64 kernel, 4.9% at W1). R = 1 stores dq through the dead Q tile in 16-byte stores (exp49)."""
+    H64 kernel, 4.9% at W1). R = 1 stores dq through the dead Q tile in 16-byte stores (exp49).
+    Rows (groups) run last first, as in the forward: under a causal mask the longest lists start
+    first instead of trailing the launch (exp54: W2 H64 0.992x, W1 0.995x; an L2 prefetch of the
+    next wave's Q / dO / O tiles on top of it was 1% slower)."""
     R = rows_per_block
     assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
@@ -1141,7 +1144,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             ch_free11 = T.alloc_barrier(arrive_count=128)
             step_done = T.alloc_barrier(arrive_count=256)
 
-            s = bx if R == 1 else NG - 1 - bx  # R > 1: last group first (as the forward)
+            s = NG - 1 - bx  # last rows (groups) first
             g = bz // nh
             h0 = g * hg + (bz % nh) * h_blk
             nb = T.min(slot_blocks(Extent[b, s, g], BS), NS)
