@@ -5,7 +5,7 @@ through TileLangBackend.forward_saving with the builders patched in turn, altern
 every forward path; the warp-specialised one-row kernel also as raw launches. out / lse must be
 bitwise equal on the W1 / W2 workloads (a finite max is the exponents' base in both), and a row
 whose scores all lie 2048 below -2^30 must now come out equal to the fp64 reference (the tree's
-kernels only; session 21's returned it empty: exp51)."""
+kernels only; session 21's returned it empty: exp51). As run in session 22 (call 1, on 62a3f04)."""
 import json, os, statistics, sys, time
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

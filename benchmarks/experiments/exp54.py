@@ -3,7 +3,9 @@ tree's, through TileLangBackend with the builders patched in turn, alternating r
 (one row per block): the warp-specialised forward with an L2 prefetch of the Q tile of the block
 ``prefetch_ahead`` = 132 launches later ("pf"), and the warp-specialised backward with rows last
 first ("lf") and also with the prefetch of that block's Q, dO and O tiles ("lfpf"). out / lse / dq
-must be bitwise equal (the same per-row arithmetic); dkv sums its atomics in another order."""
+must be bitwise equal (the same per-row arithmetic); dkv sums its atomics in another order. As
+run in session 22 (call 2, on 4c7c161); "lf" landed (1c7ad98), so make_exp54.py no longer
+applies to the tree (the line it rewrites changed)."""
 import functools, json, os, statistics, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
