@@ -9,6 +9,7 @@ import torch
 
 tilelang = pytest.importorskip("tilelang")
 SM90 = json.dumps({"kind": "cuda", "arch": "sm_90"})
+SM90A = json.dumps({"kind": "cuda", "arch": "sm_90a"})  # setmaxnreg and wgmma need the "a" target
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -102,6 +103,18 @@ def test_small_head_forward_has_a_barrier_before_the_p_tile_write(heads):
         assert lines[i - 1] == "__syncthreads();", lines[i - 1]
 
 
+def _forward_source(kind: str, heads: int, R: int) -> str:
+    """CUDA source of a forward kernel at topk 2048, d_v 512: ``kind`` "ws" (warp-specialised,
+    sm_90a) or "classic" (single warpgroup: two stages with one row per block, one with row groups)."""
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
+
+    if kind == "ws":
+        k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
+    else:
+        k = sparse_mla_fwd_kernel(heads, 512, 64, 2048, 1, 256**-0.5, num_stages=1 if R > 1 else 2,
+                                  rows_per_block=R, target=SM90)
+    return k.get_kernel_source()
+
 
 @pytest.mark.parametrize("kind,heads,R", [("ws", 64, 1), ("ws", 8, 8), ("classic", 64, 1), ("classic", 16, 4)])
 def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
@@ -111,14 +124,7 @@ def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
     ``test_nonfinite_inputs_come_out_nonfinite`` checks the values."""
     import re
 
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
-
-    if kind == "ws":
-        k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
-    else:
-        k = sparse_mla_fwd_kernel(heads, 512, 64, 2048, 1, 256**-0.5, num_stages=1 if R > 1 else 2,
-                                  rows_per_block=R, target=SM90)
-    src = k.get_kernel_source()
+    src = _forward_source(kind, heads, R)
     tests = re.findall(r"\(row_sum\w*\[[^\]]*\] != 0x0p\+0f", src)
     # the reciprocal, out and lse (ws: per MMA warpgroup)
     assert len(tests) == (6 if kind == "ws" else 3), tests
@@ -141,14 +147,7 @@ def test_forward_running_max_starts_at_minus_inf(kind, heads, R):
     checks the values."""
     import re
 
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
-
-    if kind == "ws":
-        k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
-    else:
-        k = sparse_mla_fwd_kernel(heads, 512, 64, 2048, 1, 256**-0.5, num_stages=1 if R > 1 else 2,
-                                  rows_per_block=R, target=SM90)
-    src = k.get_kernel_source()
+    src = _forward_source(kind, heads, R)
     assert "0x1p+30f" not in src
     starts = re.findall(r"float broadcast_var_\d+ = (\S+);\n\s*\*\(float2\*\)\(m\d? \+ 0\)", src)
     assert starts == ["-CUDART_INF_F"] * (2 if kind == "ws" else 1), starts
@@ -195,9 +194,6 @@ def test_row_group_kernels_build_and_fit(hg, kv_group):
         assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM
         assert "Members" in k.get_kernel_source()
     assert "AtomicAddx4" in bwd.get_kernel_source()
-
-
-SM90A = json.dumps({"kind": "cuda", "arch": "sm_90a"})  # setmaxnreg and wgmma need the "a" target
 
 
 @pytest.mark.parametrize("heads,R", [(64, 1), (128, 1), (8, 8), (16, 4), (32, 2)])
