@@ -349,7 +349,7 @@ def _forward(backend, q, kv, indices, sm_scale, d_v, index_flag, kv_flag=None):
     backend that prepares its inputs once per call (``forward_saving``), else (kv, indices)."""
     kw = {} if index_flag is None else {"index_flag": index_flag}
     if kv_flag is not None:  # (only backends with finite_out_lse_bound, all of which save)
-        return backend.forward_saving(q, kv, indices, sm_scale, d_v, kv_flag=kv_flag, **kw)
+        kw["kv_flag"] = kv_flag
     if hasattr(backend, "forward_saving"):
         return backend.forward_saving(q, kv, indices, sm_scale, d_v, **kw)
     out, lse = backend.forward(q, kv, indices, sm_scale, d_v, **kw)
