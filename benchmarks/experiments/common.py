@@ -1,4 +1,6 @@
 """What the experiment scripts share: the W1 / W2 workloads at T = 4096 and the timing call."""
+import statistics
+
 import torch
 import triton.testing
 
@@ -21,3 +23,16 @@ def workload(name: str, H: int, seed: int, T: int = 4096):
 def bench(fn, rep: int = 120) -> float:
     """Median ms of ``fn`` (triton.testing.do_bench, 5 warm-up runs)."""
     return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+
+
+def alternating(runs: dict, rounds: int = 6, before=None) -> tuple[dict, dict]:
+    """``bench`` of each of ``runs`` (name -> fn) in ``rounds`` rounds, the order reversed every
+    other round (drift hits all alike); ``before(name)`` (e.g. patching a kernel builder) runs
+    before each timing. -> (times per round, medians), ms."""
+    times = {name: [] for name in runs}
+    for rnd in range(rounds):
+        for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
+            if before is not None:
+                before(name)
+            times[name].append(bench(runs[name]))
+    return times, {name: statistics.median(ts) for name, ts in times.items()}

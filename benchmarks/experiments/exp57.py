@@ -6,10 +6,10 @@ T_kv), an empty row, T not a multiple of 132); then alternating rounds of raw la
 backend's forward (builder patched) at W2 / W1 H64. exp56's yardstick: the per-CTA fixed cost is
 about 0.21-0.25 ms of the W2 H64 forward and 0.13-0.16 ms at W1. Run it under ``timeout``: a
 barrier-phase mistake hangs the kernel."""
-import functools, json, os, statistics, sys, time
+import functools, json, os, sys, time
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DV, SCALE, bench, workload
+from common import DV, SCALE, alternating, workload
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops import _exp57 as ex
 from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, _kernel_lists
@@ -70,22 +70,16 @@ for wl in ("W2", "W1"):
     q, kv, idx, _ = workload(wl, 64, seed=41)
     inputs = prepared(q, kv, idx)
     runs = {label: launch(b, 64, 2048, inputs, q)[3] for label, b in (("tree", TREE), ("persistent", PERSISTENT))}
-    times = {k: [] for k in runs}
-    for rnd in range(6):
-        for k in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
-            times[k].append(bench(runs[k]))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    times, med = alternating(runs)
     res["rows"][f"{wl} H64 raw"] = dict(median_ms=med, rounds=times)
     print(f"{wl} H64 raw: tree {med['tree']:.4f} persistent {med['persistent']:.4f} "
           f"({med['persistent'] / med['tree']:.4f}x)", flush=True)
     be = TileLangBackend()
-    times = {"tree": [], "persistent": []}
-    for rnd in range(6):
-        for k in (list(times) if rnd % 2 == 0 else list(times)[::-1]):
-            tk.sparse_mla_fwd_ws_kernel = TREE if k == "tree" else PERSISTENT
-            times[k].append(bench(lambda: be.forward_saving(q, kv, idx, SCALE, DV)))
+    builders = {"tree": TREE, "persistent": PERSISTENT}
+    forward = lambda: be.forward_saving(q, kv, idx, SCALE, DV)  # noqa: E731
+    times, med = alternating({k: forward for k in builders},
+                             before=lambda k: setattr(tk, "sparse_mla_fwd_ws_kernel", builders[k]))
     tk.sparse_mla_fwd_ws_kernel = TREE
-    med = {k: statistics.median(v) for k, v in times.items()}
     res["rows"][f"{wl} H64 backend forward"] = dict(median_ms=med, rounds=times)
     print(f"{wl} H64 backend forward: tree {med['tree']:.4f} persistent {med['persistent']:.4f} "
           f"({med['persistent'] / med['tree']:.4f}x)", flush=True)

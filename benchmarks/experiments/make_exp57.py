@@ -101,19 +101,11 @@ src = src[:start] + '''            n_rows = T.max((NG * rep - bx + P - 1) // P, 
 
             pb[0] = 0
             if tx < 128:
-                T.set_max_nreg(232, 1)
-                for j in T.serial(n_rows):
-                    w = SimpleNamespace(valid=valid0, acc_s=acc_s0, p=p0, acc_o=acc_o0, row_sum=row_sum0,
-                                        blk_sum=blk_sum0, alpha=alpha0, m=m0, m_blk=m_blk0, **shared, **row_of(bx, b, g, Extent, j))
-                    consume_row(w, 0, j, pb[0])
-                    pb[0] = pb[0] + (w.nb + 1) // 2
+                consume_rows(dict(valid=valid0, acc_s=acc_s0, p=p0, acc_o=acc_o0, row_sum=row_sum0, blk_sum=blk_sum0,
+                                  alpha=alpha0, m=m0, m_blk=m_blk0), 0, shared, bx, b, g, Extent, n_rows, pb)
             elif tx < 256:
-                T.set_max_nreg(232, 1)
-                for j in T.serial(n_rows):
-                    w = SimpleNamespace(valid=valid1, acc_s=acc_s1, p=p1, acc_o=acc_o1, row_sum=row_sum1,
-                                        blk_sum=blk_sum1, alpha=alpha1, m=m1, m_blk=m_blk1, **shared, **row_of(bx, b, g, Extent, j))
-                    consume_row(w, 1, j, pb[0])
-                    pb[0] = pb[0] + (w.nb + 1) // 2
+                consume_rows(dict(valid=valid1, acc_s=acc_s1, p=p1, acc_o=acc_o1, row_sum=row_sum1, blk_sum=blk_sum1,
+                                  alpha=alpha1, m=m1, m_blk=m_blk1), 1, shared, bx, b, g, Extent, n_rows, pb)
             else:
                 T.set_max_nreg(40, 0)
                 for j in T.serial(n_rows):
@@ -140,6 +132,15 @@ src = src[:at] + '''    def row_of(bx, b, g, Extent, j):
         item = bx + j * P
         s = NG - 1 - item // rep
         return dict(s=s, h0=g * hg + (item % rep) * h_blk, nb=T.min(slot_blocks(Extent[b, s, g], BI), NI))
+
+    @T.macro
+    def consume_rows(regs, c, shared, bx, b, g, Extent, n_rows, pb):
+        # MMA warpgroup c (its registers in regs) over the CTA's rows; pb: its running pair count
+        T.set_max_nreg(232, 1)
+        for j in T.serial(n_rows):
+            w = SimpleNamespace(**regs, **shared, **row_of(bx, b, g, Extent, j))
+            consume_row(w, c, j, pb[0])
+            pb[0] = pb[0] + (w.nb + 1) // 2
 
 ''' + src[at:]
 # the gathers of one pair (block 2i into kv0, 2i + 1 into kv1), phases from ph
