@@ -6,14 +6,15 @@ three). Raw launches on the same prepared inputs: out / lse against the tree's (
 largest difference and how many differ; the tree against itself too), at W2 / W1 H64, W2 H128, a
 ragged case and one with fewer rows than CTAs; each launch twice (the counter must reset itself);
 then alternating rounds of raw launches and of the backend's forward (builder patched) at W2 / W1
-H64. Run it under ``timeout``: a barrier-phase mistake hangs the kernel."""
+H64. Run it under ``timeout``: a barrier-phase mistake hangs the kernel. Session 23's second run
+(exp60, after make_exp60.py): ``NAME=exp60 VARIANTS=tree,exp58,exp60,exp61,exp62``."""
 import functools, json, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import DV, SCALE, alternating, workload
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
-from glm5_dsa_plugin.ops import _exp57, _exp58, _exp59
+import importlib
 from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, _kernel_lists
 OUT = os.environ.get("OUT", ".")
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
@@ -35,8 +36,15 @@ def with_counter(make):
     return build
 
 
-BUILDERS = {"tree": TREE, "exp57": functools.partial(_exp57.sparse_mla_fwd_ws_kernel, persistent=SMS),
-            "exp58": with_counter(_exp58.sparse_mla_fwd_ws_kernel), "exp59": with_counter(_exp59.sparse_mla_fwd_ws_kernel)}
+def variant(name):
+    """exp57: static stride; exp58-61: a row counter (their last argument); exp62: one row per CTA."""
+    make = importlib.import_module(f"glm5_dsa_plugin.ops._{name}").sparse_mla_fwd_ws_kernel
+    return (functools.partial(make, persistent=SMS) if name == "exp57" else make if name == "exp62"
+            else with_counter(make))
+
+
+NAME = os.environ.get("NAME", "exp59")
+BUILDERS = {n: TREE if n == "tree" else variant(n) for n in os.environ.get("VARIANTS", "tree,exp57,exp58,exp59").split(",")}
 for name in filter(None, os.environ.get("EXCLUDE", "").split(",")):  # variants that hung in an earlier run
     BUILDERS.pop(name)
 SHAPES = ((64, 2048), (128, 2048), (64, 512))
@@ -49,7 +57,7 @@ print(f"built in {res['build_s']:.0f} s", flush=True)
 
 
 def save():
-    json.dump(res, open(os.path.join(OUT, "exp59.json"), "w"), indent=1)
+    json.dump(res, open(os.path.join(OUT, f"{NAME}.json"), "w"), indent=1)
 
 
 def hung(label, case):
