@@ -1,11 +1,12 @@
-"""exp57 (prepared in session 22, not yet run): make_exp57.py's persistent warp-specialised forward
-(run it first, from the repository root; one row per block only) against the tree's kernel. Raw
-launches with the same prepared inputs: out / lse must be bitwise equal (each row's arithmetic is
-the tree's) at W2 / W1 H64, H128 (two head blocks per row) and a ragged case (indices in [-1,
-T_kv), an empty row, T not a multiple of 132); then alternating rounds of raw launches and of the
-backend's forward (builder patched) at W2 / W1 H64. exp56's yardstick: the per-CTA fixed cost is
-about 0.21-0.25 ms of the W2 H64 forward and 0.13-0.16 ms at W1. Run it under ``timeout``: a
-barrier-phase mistake hangs the kernel."""
+"""exp57 (prepared in session 22; run in session 23, call 1: out bitwise, lse within one ulp, 5-7.5%
+slower, `benchmarks/results/2026-12-01_h200_v24b_exp57_persistent_static.*`): make_exp57.py's
+persistent warp-specialised forward (run it first, from the repository root; one row per block only)
+against the tree's kernel. Raw launches with the same prepared inputs: out / lse must be bitwise
+equal (each row's arithmetic is the tree's) at W2 / W1 H64, H128 (two head blocks per row) and a
+ragged case (indices in [-1, T_kv), an empty row, T not a multiple of 132); then alternating rounds
+of raw launches and of the backend's forward (builder patched) at W2 / W1 H64. exp56's yardstick:
+the per-CTA fixed cost is about 0.21-0.25 ms of the W2 H64 forward and 0.13-0.16 ms at W1. Run it
+under ``timeout``: a barrier-phase mistake hangs the kernel."""
 import functools, json, os, sys, time
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

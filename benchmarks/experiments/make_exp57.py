@@ -1,14 +1,14 @@
 """Writes glm5_dsa_plugin/ops/_exp57.py (ignored by git) from the tree's tilelang_kernels.py: a
-persistent warp-specialised forward, one row per block (R = 1), prepared in session 22 for the
-next GPU session, not run. ``persistent`` = P CTAs (per batch and kv group) each run the rows
-(last first) bx, bx + P, bx + 2P, ... with the barriers' phases carried across rows (a running
-pair count per role; q_full and sum_full once per row), so that the gather warpgroup fetches the
-next row's first pair while the MMA warpgroups finish the current row's epilogue; the Q tile,
-through which out leaves, is refilled after a new ``q_free`` barrier (both MMA warpgroups, after
-their out stores have read it). Warpgroup 0 frees buffer 1's left part at a row's end (the last
-pair's P1 V1 is done there) instead of at the next pair's scores, which would deadlock against
-the Q load. exp56 measured the fixed cost this can hide: 11-13% of the W2 H64 forward, 6-7% at
-W1. Run from the repository root."""
+persistent warp-specialised forward, one row per block (R = 1), prepared in session 22, run in
+session 23 (exp57.py; slower than the tree's kernel, see NOTES "Session 23"). ``persistent`` = P
+CTAs (per batch and kv group) each run the rows (last first) bx, bx + P, bx + 2P, ... with the
+barriers' phases carried across rows (a running pair count per role; q_full and sum_full once per
+row), so that the gather warpgroup fetches the next row's first pair while the MMA warpgroups finish
+the current row's epilogue; the Q tile, through which out leaves, is refilled after a new ``q_free``
+barrier (both MMA warpgroups, after their out stores have read it). Warpgroup 0 frees buffer 1's
+left part at a row's end (the last pair's P1 V1 is done there) instead of at the next pair's scores,
+which would deadlock against the Q load. exp56 measured the fixed cost this can hide: 11-13% of the
+W2 H64 forward, 6-7% at W1. Run from the repository root."""
 
 src = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
 
