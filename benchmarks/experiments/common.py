@@ -36,3 +36,34 @@ def alternating(runs: dict, rounds: int = 6, before=None) -> tuple[dict, dict]:
                 before(name)
             times[name].append(bench(runs[name]))
     return times, {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def prepared_forward_inputs(q, kv, idx):
+    """The warp-specialised forward's inputs after the backend's preparation, for raw launches:
+    (kv with its sentinel row, key lists, extents, member bits)."""
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, _kernel_lists
+
+    _, _, saved = TileLangBackend().forward_saving(q, kv, idx, SCALE, DV)
+    _, keys, members, ext = _kernel_lists(saved)
+    return saved[0], keys, ext, members
+
+
+def raw_forward(builder, H, topk, inputs, q):
+    """-> (kernel, out, lse, launch): one-row-per-block forward ``builder``'s kernel at H heads, out /
+    lse poisoned with NaN, and a closure launching it on ``prepared_forward_inputs``."""
+    k = builder(H, DV, 64, topk, 1, float(SCALE), rows_per_block=1)
+    o = torch.full((1, q.shape[1], H, DV), float("nan"), dtype=q.dtype, device="cuda")
+    l = torch.full((1, q.shape[1], H), float("nan"), device="cuda")
+    return k, o, l, lambda: k(q, inputs[0], inputs[1], inputs[2], inputs[3], o, l)
+
+
+def ragged_workload(H, T=1000, T_kv=3000, K=512):
+    """q, kv, indices with indices in [-1, T_kv), row 5 all -1, the last 2/5 of the rows padded
+    after slot 100 (seed 31)."""
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(-1, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
+    idx[0, 5] = -1
+    idx[0, T * 3 // 5:, :, 100:] = -1
+    return q, kv, idx

@@ -12,10 +12,10 @@ import functools, json, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DV, SCALE, alternating, workload
+from common import DV, SCALE, alternating, prepared_forward_inputs, ragged_workload, raw_forward, workload
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 import importlib
-from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, _kernel_lists
+from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 OUT = os.environ.get("OUT", ".")
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
 TREE = tk.sparse_mla_fwd_ws_kernel
@@ -67,29 +67,6 @@ def hung(label, case):
     os._exit(3)
 
 
-def prepared(q, kv, idx):
-    _, _, saved = TileLangBackend().forward_saving(q, kv, idx, SCALE, DV)
-    _, keys, members, ext = _kernel_lists(saved)
-    return saved[0], keys, ext, members
-
-
-def launch(builder, H, topk, inputs, q):
-    k = builder(H, DV, 64, topk, 1, float(SCALE), rows_per_block=1)
-    o = torch.full((1, q.shape[1], H, DV), float("nan"), dtype=q.dtype, device="cuda")
-    l = torch.full((1, q.shape[1], H), float("nan"), device="cuda")
-    return k, o, l, lambda: k(q, inputs[0], inputs[1], inputs[2], inputs[3], o, l)
-
-
-def ragged(H, T=1000, T_kv=3000, K=512):
-    gen = torch.Generator(device="cuda").manual_seed(31)
-    q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
-    idx = torch.randint(-1, T_kv, (1, T, 1, K), generator=gen, device="cuda", dtype=torch.int32)
-    idx[0, 5] = -1
-    idx[0, T * 3 // 5:, :, 100:] = -1
-    return q, kv, idx
-
-
 def compare(a, b):
     """-> bitwise, largest |difference| over entries finite in both, count differing, NaN in b."""
     d = (a.float() - b.float()).abs()
@@ -98,15 +75,15 @@ def compare(a, b):
 
 
 cases = [("W2 H64", lambda: workload("W2", 64, seed=37)[:3], 2048), ("W1 H64", lambda: workload("W1", 64, seed=37)[:3], 2048),
-         ("W2 H128", lambda: workload("W2", 128, seed=37)[:3], 2048), ("ragged H64", lambda: ragged(64), 512),
-         ("50 rows H64", lambda: ragged(64, T=50, T_kv=400), 512)]
+         ("W2 H128", lambda: workload("W2", 128, seed=37)[:3], 2048), ("ragged H64", lambda: ragged_workload(64), 512),
+         ("50 rows H64", lambda: ragged_workload(64, T=50, T_kv=400), 512)]
 for name, make, topk in cases:
     q, kv, idx = make()
     H = q.shape[2]
-    inputs = prepared(q, kv, idx)
+    inputs = prepared_forward_inputs(q, kv, idx)
     got = {}
     for label, builder in BUILDERS.items():
-        k, o, l, run = launch(builder, H, topk, inputs, q)
+        k, o, l, run = raw_forward(builder, H, topk, inputs, q)
         watchdog = threading.Timer(60, hung, (label, name))  # a barrier-phase mistake hangs the kernel
         watchdog.start()
         run()
@@ -128,8 +105,8 @@ for name, make, topk in cases:
 
 for wl in ("W2", "W1"):
     q, kv, idx, _ = workload(wl, 64, seed=41)
-    inputs = prepared(q, kv, idx)
-    runs = {label: launch(b, 64, 2048, inputs, q)[3] for label, b in BUILDERS.items()}
+    inputs = prepared_forward_inputs(q, kv, idx)
+    runs = {label: raw_forward(b, 64, 2048, inputs, q)[3] for label, b in BUILDERS.items()}
     times, med = alternating(runs)
     res["rows"][f"{wl} H64 raw"] = dict(median_ms=med, rounds=times)
     print(f"{wl} H64 raw: " + " ".join(f"{k} {v:.4f} ({v / med['tree']:.4f}x)" for k, v in med.items()), flush=True)
