@@ -11,25 +11,19 @@ for before it publishes the next one. Kernel argument ``Counter`` (int32 [1], ze
 first launch) comes last. Run from the repository root."""
 import runpy
 
+from patching import replace_once
+
 runpy.run_path("benchmarks/experiments/make_exp57.py")
 src = open("glm5_dsa_plugin/ops/_exp57.py").read()
-
-
-def sub(old, new, count=1):
-    global src
-    assert src.count(old) == count, (old[:80], src.count(old))
-    src = src.replace(old, new)
-
-
-sub('''    assert R == 1, "exp57: one row per block only"''', '''    assert R == 1, "exp58: one row per block only"''')
+src = replace_once(src, '''    assert R == 1, "exp57: one row per block only"''', '''    assert R == 1, "exp58: one row per block only"''')
 # the kernel's last argument: the row counter
-sub('''        Lse: T.Tensor([B, S, heads], acc),
+src = replace_once(src, '''        Lse: T.Tensor([B, S, heads], acc),
     ):
         with T.Kernel(P, B, kv_group, threads=384) as (bx, b, g):''', '''        Lse: T.Tensor([B, S, heads], acc),
         Counter: T.Tensor([1], T.int32),
     ):
         with T.Kernel(P, B, kv_group, threads=384) as (bx, b, g):''')
-sub('''            pb = T.alloc_local([1], T.int32)  # the running pair count of this thread's role
+src = replace_once(src, '''            pb = T.alloc_local([1], T.int32)  # the running pair count of this thread's role
 ''', '''            pb = T.alloc_local([1], T.int32)  # the running pair count of this thread's role
             row_s = T.alloc_shared([1], T.int32)  # the published row item
             row_full = T.alloc_barrier(arrive_count=1)  # row_s holds the next item
@@ -39,20 +33,20 @@ sub('''            pb = T.alloc_local([1], T.int32)  # the running pair count of
             item = T.alloc_local([1], T.int32)
             prev = T.alloc_local([1], T.int32)
 ''')
-sub('''            n_rows = T.max((NG * rep - bx + P - 1) // P, 0)  # this CTA's rows: bx, bx + P, ...
+src = replace_once(src, '''            n_rows = T.max((NG * rep - bx + P - 1) // P, 0)  # this CTA's rows: bx, bx + P, ...
 ''', '')
-sub('''                          Out=Out, Lse=Lse, S=S, Q=Q, q_full=q_full, q_free=q_free)
+src = replace_once(src, '''                          Out=Out, Lse=Lse, S=S, Q=Q, q_full=q_full, q_free=q_free)
 ''', '''                          Out=Out, Lse=Lse, S=S, Q=Q, q_full=q_full, q_free=q_free)
             sched = SimpleNamespace(Counter=Counter, row_s=row_s, row_full=row_full, row_taken=row_taken,
                                     jr=jr, run=run, item=item, prev=prev, pb=pb)
 ''')
-sub('''            pb[0] = 0
+src = replace_once(src, '''            pb[0] = 0
 ''', '''            pb[0] = 0
             jr[0] = 0
             run[0] = 1
 ''')
-sub('''0, shared, bx, b, g, Extent, n_rows, pb)''', '''0, shared, bx, b, g, Extent, sched)''')
-sub('''1, shared, bx, b, g, Extent, n_rows, pb)''', '''1, shared, bx, b, g, Extent, sched)''')
+src = replace_once(src, '''0, shared, bx, b, g, Extent, n_rows, pb)''', '''0, shared, bx, b, g, Extent, sched)''')
+src = replace_once(src, '''1, shared, bx, b, g, Extent, n_rows, pb)''', '''1, shared, bx, b, g, Extent, sched)''')
 start = src.index("                for j in T.serial(n_rows):\n                    w = SimpleNamespace(**shared, **row_of(bx, b, g, Extent, j))")
 end = src.index("                    pb[0] = pb[0] + pairs\n", start) + len("                    pb[0] = pb[0] + pairs\n")
 src = src[:start] + '''                while run[0] == 1:

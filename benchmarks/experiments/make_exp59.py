@@ -10,23 +10,17 @@ An empty row (no pairs) stores out from registers. The row sums are exchanged th
 buffers by row parity. Run from the repository root."""
 import runpy
 
+from patching import replace_once
+
 runpy.run_path("benchmarks/experiments/make_exp58.py")
 src = open("glm5_dsa_plugin/ops/_exp58.py").read()
-
-
-def sub(old, new, count=1):
-    global src
-    assert src.count(old) == count, (old[:80], src.count(old))
-    src = src.replace(old, new)
-
-
-sub('''    assert R == 1, "exp58: one row per block only"''', '''    assert R == 1, "exp59: one row per block only"''')
+src = replace_once(src, '''    assert R == 1, "exp58: one row per block only"''', '''    assert R == 1, "exp59: one row per block only"''')
 # the last pair's kv1 right part is freed after warpgroup 1's out stores
-sub('''        T.wait_wgmma(1)
+src = replace_once(src, '''        T.wait_wgmma(1)
         T.barrier_arrive(w.free[1][1])''', '''        T.wait_wgmma(1)
         if i * 2 + 2 < w.nb:  # (the row's last pair: after the out stores through kv1)
             T.barrier_arrive(w.free[1][1])''')
-sub('''        T.wait_wgmma(0)
+src = replace_once(src, '''        T.wait_wgmma(0)
         T.warpgroup_fence_operand(w.acc_o, num_regs=h_blk * DH // 128)
         if c == 0:
             if w.nb > 0:
@@ -35,7 +29,7 @@ sub('''        T.wait_wgmma(0)
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(w.acc_o, num_regs=h_blk * DH // 128)
 ''')
-sub('''            lo, hi = c * DH, (c + 1) * DH
+src = replace_once(src, '''            lo, hi = c * DH, (c + 1) * DH
             T.copy(w.acc_o, w.q_s[0:h_blk, lo:hi])
             T.copy(w.q_s[0:h_blk, lo:hi], w.Out[w.b, w.s, w.h0:w.h0 + h_blk, lo:hi])
             T.barrier_arrive(w.q_free)''', '''            lo, hi = c * DH, (c + 1) * DH
@@ -45,7 +39,7 @@ sub('''            lo, hi = c * DH, (c + 1) * DH
                 T.barrier_arrive(w.free[1][c])
             else:  # no pair: kv1 may already hold the next row's block
                 _store_rows(w.Out, w.acc_o, w.b, w.s, w.h0, c * DH, w.S, R, hg, h_blk, DH)''')
-sub('''                        if pairs > 0:
+src = replace_once(src, '''                        if pairs > 0:
                             produce_pair(w, 0, pb[0])
                         if jr[0] > 0:
                             T.barrier_wait(q_free, (jr[0] - 1) & 1)
@@ -56,7 +50,7 @@ sub('''                        if pairs > 0:
                         if pairs > 0:
                             produce_first_pair(w, pb[0])
 ''')
-sub('''    @T.macro
+src = replace_once(src, '''    @T.macro
     def load_q(w):''', '''    @T.macro
     def produce_first_pair(w, ph):
         # a row's first pair: kv0 (freed in the previous row's last pair) before kv1 (freed after
@@ -74,9 +68,9 @@ sub('''    @T.macro
     def load_q(w):''')
 # the row sums' exchange in two buffers by row parity: q_free no longer comes after it, so after an
 # empty row warpgroup 0 could write the next row's sum before warpgroup 1 has read this row's
-sub('''            w.sum_s[c, h] = w.row_sum[h]''', '''            w.sum_s[(j & 1) * 2 + c, h] = w.row_sum[h]''')
-sub('''            w.row_sum[h] = w.sum_s[0, h] + w.sum_s[1, h]''',
+src = replace_once(src, '''            w.sum_s[c, h] = w.row_sum[h]''', '''            w.sum_s[(j & 1) * 2 + c, h] = w.row_sum[h]''')
+src = replace_once(src, '''            w.row_sum[h] = w.sum_s[0, h] + w.sum_s[1, h]''',
     '''            w.row_sum[h] = w.sum_s[(j & 1) * 2, h] + w.sum_s[(j & 1) * 2 + 1, h]''')
-sub('''            sum_s = T.alloc_shared([2, h_blk], acc)''', '''            sum_s = T.alloc_shared([4, h_blk], acc)''')
+src = replace_once(src, '''            sum_s = T.alloc_shared([2, h_blk], acc)''', '''            sum_s = T.alloc_shared([4, h_blk], acc)''')
 open("glm5_dsa_plugin/ops/_exp59.py", "w").write(src)
 print("wrote glm5_dsa_plugin/ops/_exp59.py")

@@ -7,17 +7,13 @@ round trip on the MMA warpgroups' critical path. Here each role keeps nb in a lo
 row. exp63 = exp60 + that, exp64 = exp61 + that. Run from the repository root."""
 import runpy
 
+from patching import replace_once
+
 runpy.run_path("benchmarks/experiments/make_exp60.py")  # (writes _exp57 ... _exp62)
-
-
-def patch(src, old, new, count=1):
-    assert src.count(old) == count, (old[:80], src.count(old))
-    return src.replace(old, new)
-
 
 for base, name in (("_exp60", "_exp63"), ("_exp61", "_exp64")):
     src = open(f"glm5_dsa_plugin/ops/{base}.py").read()
-    src = patch(src, '''    def row_at(b, g, Extent, item):
+    src = replace_once(src, '''    def row_at(b, g, Extent, item):
         # row item -> (query row s, first head h0, its blocks nb), last rows first
         s = NG - 1 - item // rep
         return dict(s=s, h0=g * hg + (item % rep) * h_blk, nb=T.min(slot_blocks(Extent[b, s, g], BI), NI))''',
@@ -28,16 +24,16 @@ for base, name in (("_exp60", "_exp63"), ("_exp61", "_exp64")):
     def row_at(b, g, item, nbl):
         # row item -> (query row s, first head h0, its blocks nb from the local nbl), last rows first
         return dict(s=NG - 1 - item // rep, h0=g * hg + (item % rep) * h_blk, nb=nbl[0])''')
-    src = patch(src, '''                w = SimpleNamespace(**regs, **shared, **row_at(b, g, Extent, sched.item[0]))''',
+    src = replace_once(src, '''                w = SimpleNamespace(**regs, **shared, **row_at(b, g, Extent, sched.item[0]))''',
                 '''                sched.nbl[0] = row_blocks(b, g, Extent, sched.item[0])
                 w = SimpleNamespace(**regs, **shared, **row_at(b, g, sched.item[0], sched.nbl))''')
-    src = patch(src, '''                        w = SimpleNamespace(**shared, **row_at(b, g, Extent, item[0]))''',
+    src = replace_once(src, '''                        w = SimpleNamespace(**shared, **row_at(b, g, Extent, item[0]))''',
                 '''                        nbl[0] = row_blocks(b, g, Extent, item[0])
                         w = SimpleNamespace(**shared, **row_at(b, g, item[0], nbl))''')
-    src = patch(src, '''            prev = T.alloc_local([1], T.int32)
+    src = replace_once(src, '''            prev = T.alloc_local([1], T.int32)
 ''', '''            prev = T.alloc_local([1], T.int32)
             nbl = T.alloc_local([1], T.int32)  # the current row's blocks
 ''')
-    src = patch(src, '''jr=jr, run=run, item=item, prev=prev, pb=pb)''', '''jr=jr, run=run, item=item, prev=prev, pb=pb, nbl=nbl)''')
+    src = replace_once(src, '''jr=jr, run=run, item=item, prev=prev, pb=pb)''', '''jr=jr, run=run, item=item, prev=prev, pb=pb, nbl=nbl)''')
     open(f"glm5_dsa_plugin/ops/{name}.py", "w").write(src)
 print("wrote glm5_dsa_plugin/ops/_exp63.py, _exp64.py")

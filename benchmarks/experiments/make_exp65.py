@@ -10,17 +10,10 @@ backward's Q and dO tiles, stored by all threads in its prologue, get one explic
 the barrier that follows. The generated CUDA differs from the tree's only in those fence lines
 (checked on CPU). A define in the compile flags keeps these kernels' cache entries apart from the
 tree's. Run from the repository root."""
+from patching import replace_once
 
 src = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
-
-
-def sub(old, new, count=1):
-    global src
-    assert src.count(old) == count, (old[:80], src.count(old))
-    src = src.replace(old, new)
-
-
-sub('''BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
+src = replace_once(src, '''BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
 ''', '''BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
 _FENCE_PASS_LOCK = threading.Lock()
 
@@ -47,7 +40,7 @@ for start in (fwd_at, bwd_at):
     lines[end] = lines[end].replace("tilelang.compile(", "_compile_without_fence_pass(").replace(
         ", pass_configs=PASS_CONFIGS, target=target)", ", target)")
 src = "\n".join(lines)
-sub('''            _load_tile(do_s, dO, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, D, THREADS), D, 0)
+src = replace_once(src, '''            _load_tile(do_s, dO, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, D, THREADS), D, 0)
             T.sync_threads()''', '''            _load_tile(do_s, dO, b, s, h0, S, load_rows, h_blk, vector_rows(h_blk, D, THREADS), D, 0)
             T.fence_proxy_async()  # exp65: the tiles' generic stores -> wgmma reads (the pass is off)
             T.sync_threads()''')

@@ -4,17 +4,10 @@ adds 4 slots' 16 bytes per chunk (j = r * 8 + tp / 16, r < 4) and reloads those 
 global memory for every one of a block's 9 chunks (36 loads per block, 32 of them repeats, each
 ahead of its atomics). Here they go to 4 registers after the next block's gather is issued, with
 the padding test folded in (-1 for a slot without a row). Run from the repository root."""
+from patching import replace_once
 
 src = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
-
-
-def sub(old, new, count=1):
-    global src
-    assert src.count(old) == count, (old[:80], src.count(old))
-    src = src.replace(old, new)
-
-
-sub('''        for r in T.unroll(BS * 16 // 128):
+src = replace_once(src, '''        for r in T.unroll(BS * 16 // 128):
             j = (r * 128 + tp) // 16
             d = (r * 128 + tp) % 16 * 4
             key = w.Indices[w.b, w.s, w.g, blk * BS + j]
@@ -25,7 +18,7 @@ sub('''        for r in T.unroll(BS * 16 // 128):
             d = (r * 128 + tp) % 16 * 4
             if w.drain_keys[r] >= 0:
                 T.atomic_addx4(w.dKV[w.b, w.drain_keys[r], w.g, (c * HALF + k) * 64 + d], w.ch_s[c][n % 2, j, d])''')
-sub('''                T.set_max_nreg(producer_regs, 0)
+src = replace_once(src, '''                T.set_max_nreg(producer_regs, 0)
                 for i in T.serial(nb):
                     if i + 1 < nb:
                         T.barrier_wait(kv_free, i & 1)

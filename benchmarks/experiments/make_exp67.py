@@ -7,24 +7,17 @@ chunk's GEMM (exp65 / exp66: without those fences the backward is 1.5-2.4% faste
 for this kernel only, with the pass itself left on. Outcome (CPU build, not run on the GPU): the
 generated CUDA keeps all 7 fences; TileLang 0.1.15 counts the extern call as generic traffic. Run
 from the repository root."""
+from patching import replace_once
 
 src = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
-
-
-def sub(old, new, count=1):
-    global src
-    assert src.count(old) == count, (old[:80], src.count(old))
-    src = src.replace(old, new)
-
-
-sub('''BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
+src = replace_once(src, '''BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
 ''', '''BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
 # exp67: a plain fp32 shared-memory store the fence pass cannot see (an extern call)
 STORE_SRC = r"""
 __device__ __forceinline__ void glm5_store_chunk_f32(void* p, float v) { *(float*)p = v; }
 """
 ''')
-sub('''        for i, j in T.Parallel(64, BS):
+src = replace_once(src, '''        for i, j in T.Parallel(64, BS):
             w.ch_s[c][n % 2, j, i] = w.acc_t[c][i, j]''', '''        for i, j in T.Parallel(64, BS):
             T.call_extern("handle", "glm5_store_chunk_f32", T.access_ptr(w.ch_s[c][n % 2, j, i], "w", 1),
                           w.acc_t[c][i, j])''')
