@@ -298,6 +298,44 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
         assert ", 256);" in src[last_q_read:to_tile] and ", 256);" in src[to_tile:src.index(staged[0])]
 
 
+@pytest.mark.parametrize("heads,d_v,R", [(64, 512, 1), (64, 256, 1), (16, 512, 4), (8, 512, 8)])
+def test_warp_specialized_backward_places_its_own_proxy_fences(heads, d_v, R):
+    """The warp-specialised backward is built without TileLang's InjectFenceProxy pass, which
+    fenced every step's GEMMs after the drain's fp32 chunk stores that no wgmma reads (exp65 /
+    exp66: 1.5-2.4% of the W2 H64 backward). Its CUDA holds exactly its own three
+    fence.proxy.async, each after generic shared-memory stores that a wgmma reads: the prologue's
+    Q / dO tiles (before the block's barrier), P (stmatrix into p_s) and dS (into dp_s), with no
+    wgmma between a store and its fence. Other kernels keep the pass: the warp-specialised forward
+    still gets its inserted fence before warpgroup 0's P0 V0, and the wrapper is installed once."""
+    import re
+
+    import tilelang.cuda.transform as tl_cuda_transform
+
+    from glm5_dsa_plugin.ops import tilelang_kernels
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+
+    src = sparse_mla_bwd_ws_kernel(heads, d_v, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A).get_kernel_source()
+    fence = "tl::fence_proxy_async();"
+    at = [i for i in range(len(src)) if src.startswith(fence, i)]
+    assert len(at) == 3
+    assert src[at[0]:].startswith(fence + "\n  __syncthreads();")
+    prologue = src[:at[0]]
+    assert "wgmma" not in prologue.split("__syncthreads();")[-1] and "((bfloat16_t*)do_s)" in prologue
+    for i, tile in zip(at[1:], ("p_s", "dp_s")):
+        store = src.rindex("ptx_stmatrix", 0, i)
+        assert f"((bfloat16_t*){tile})" in src[store:store + 200] and "wgmma" not in src[store:i]
+    assert src.count("wgmma_ss<") > 0 and src.index("wgmma_ss<") > at[0]
+    # the pass's own fences sit between warpgroup_arrive and the wgmma they guard
+    inserted = r"tl::warpgroup_arrive\(\);\s*tl::fence_proxy_async\(\);"
+    assert not re.search(inserted, src)
+    fwd = _forward_source("ws", 64, 1)
+    assert fwd.count(fence) == 3 and len(re.findall(inserted, fwd)) == 1
+    wrapped = tl_cuda_transform.InjectFenceProxy
+    assert wrapped.explicit_fences_aware
+    tilelang_kernels._install_selective_fence_pass()
+    assert tl_cuda_transform.InjectFenceProxy is wrapped
+
+
 @pytest.mark.parametrize("rows,width,threads", [(64, 512, 384), (64, 576, 384), (64, 64, 384), (64, 512, 256),
                                                 (48, 320, 384), (16, 64, 128)])
 def test_vector_rows_splits_a_tile_into_whole_vectors(rows, width, threads):
