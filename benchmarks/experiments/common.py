@@ -67,3 +67,38 @@ def ragged_workload(H, T=1000, T_kv=3000, K=512):
     idx[0, 5] = -1
     idx[0, T * 3 // 5:, :, 100:] = -1
     return q, kv, idx
+
+
+def backward_ab(builders: dict, wl: str, seed: int, rounds: int = 8) -> dict:
+    """Warp-specialised backward builders (name -> builder; the first is the baseline) through
+    TileLangBackend, ``tilelang_kernels.sparse_mla_bwd_ws_kernel`` patched in turn (restored after)
+    on one workload at H64: dq bitwise and dkv's relative difference against the baseline, then
+    ``alternating`` rounds. -> {"median_ms", "rounds", "<name> dq_bitwise", "<name> dkv_rel"}."""
+    from glm5_dsa_plugin.ops import tilelang_kernels as tk
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    original = tk.sparse_mla_bwd_ws_kernel
+    base = next(iter(builders))
+    q, kv, idx, g = workload(wl, 64, seed=seed)
+    be = TileLangBackend()
+    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, DV)
+
+    def use(name):
+        tk.sparse_mla_bwd_ws_kernel = builders[name]
+
+    try:
+        grads = {}
+        for name in builders:
+            use(name)
+            grads[name] = be.backward_saved(q, saved, out, lse, g, SCALE, DV)
+        row = {}
+        for name in builders:
+            if name != base:
+                d = (grads[name][1].double() - grads[base][1].double()).norm() / grads[base][1].double().norm()
+                row[f"{name} dq_bitwise"] = bool(torch.equal(grads[base][0], grads[name][0]))
+                row[f"{name} dkv_rel"] = float(d)
+        times, med = alternating({k: (lambda: be.backward_saved(q, saved, out, lse, g, SCALE, DV)) for k in builders},
+                                 rounds=rounds, before=use)
+    finally:
+        tk.sparse_mla_bwd_ws_kernel = original
+    return dict(median_ms=med, rounds=times, **row)

@@ -7,10 +7,9 @@ import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DV, SCALE, alternating, workload
+from common import DV, SCALE, backward_ab
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops import _exp65, _exp66
-from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 OUT = os.environ.get("OUT", ".")
 BWD = {"tree": tk.sparse_mla_bwd_ws_kernel, "nofence": _exp65.sparse_mla_bwd_ws_kernel,
        "keys": _exp66.sparse_mla_bwd_ws_kernel}
@@ -22,28 +21,9 @@ res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.
 print(f"built in {res['build_s']:.0f} s", flush=True)
 
 
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
-
-
-def set_bwd(name):
-    tk.sparse_mla_bwd_ws_kernel = BWD[name]
-
-
 for wl in ("W2", "W1"):
-    q, kv, idx, g = workload(wl, 64, seed=29)
-    be = TileLangBackend()
-    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, DV)
-    grads = {}
-    for name in BWD:
-        set_bwd(name)
-        grads[name] = be.backward_saved(q, saved, out, lse, g, SCALE, DV)
-    chk = {f"{k} dq_bitwise": bool(torch.equal(grads["tree"][0], grads[k][0])) for k in BWD if k != "tree"}
-    chk.update({f"{k} dkv_rel": rel(grads[k][1], grads["tree"][1]) for k in BWD if k != "tree"})
-    times, med = alternating({k: (lambda: be.backward_saved(q, saved, out, lse, g, SCALE, DV)) for k in BWD},
-                             rounds=8, before=set_bwd)
-    set_bwd("tree")
-    res["rows"][f"{wl} H64 backward"] = dict(median_ms=med, rounds=times, **chk)
-    print(f"{wl} H64 backward: " + " ".join(f"{k} {v:.4f} ({v / med['tree']:.4f}x)" for k, v in med.items()), chk,
-          flush=True)
+    row = res["rows"][f"{wl} H64 backward"] = backward_ab(BWD, wl, seed=29)
+    med = row["median_ms"]
+    print(f"{wl} H64 backward: " + " ".join(f"{k} {v:.4f} ({v / med['tree']:.4f}x)" for k, v in med.items()),
+          {k: v for k, v in row.items() if k not in ("median_ms", "rounds")}, flush=True)
     json.dump(res, open(os.path.join(OUT, "exp66.json"), "w"), indent=1)

@@ -75,6 +75,7 @@ def _install_selective_fence_pass() -> None:
     stopped looking the pass up there would leave the fences in (correct, slower; a compile test
     counts them)."""
     import tilelang.cuda.transform as tl_cuda_transform
+    from tilelang import tvm
 
     original = tl_cuda_transform.InjectFenceProxy
     if getattr(original, "explicit_fences_aware", False):
@@ -83,12 +84,13 @@ def _install_selective_fence_pass() -> None:
     def inject_fence_proxy():
         inner = original()
 
-        def run(mod):
+        def run(mod, _ctx):
             if any(f.attrs is not None and EXPLICIT_FENCES_ATTR in f.attrs for _, f in mod.functions.items()):
                 return mod
             return inner(mod)
 
-        return run
+        # a module pass, as the original: callable on a module and usable in a pass sequence
+        return tvm.transform.module_pass(run, opt_level=0, name="glm5_dsa.InjectFenceProxyUnlessExplicit")
 
     inject_fence_proxy.explicit_fences_aware = True
     tl_cuda_transform.InjectFenceProxy = inject_fence_proxy
