@@ -2,7 +2,8 @@
 TileLang's fence pass) and make_exp66.py's (the drain's kv row numbers loaded once per block; run
 both make scripts first, from the repository root), through TileLangBackend with the builder
 patched in turn, alternating rounds (8), W2 / W1 H64. dq must be bitwise equal to the tree's;
-dkv sums its atomics in another order (relative difference reported)."""
+dkv sums its atomics in another order (relative difference reported). As run (session 23,
+call 6) "tree" was v24's backward; since v25 the tree's backward is "nofence"'s kernel."""
 import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
