@@ -6,10 +6,10 @@ every forward path; the warp-specialised one-row kernel also as raw launches. ou
 bitwise equal on the W1 / W2 workloads (a finite max is the exponents' base in both), and a row
 whose scores all lie 2048 below -2^30 must now come out equal to the fp64 reference (the tree's
 kernels only; session 21's returned it empty: exp51). As run in session 22 (call 1, on 62a3f04)."""
-import json, os, statistics, sys, time
+import json, os, sys, time
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DV, SCALE, bench, workload
+from common import DV, SCALE, alternating, workload
 from glm5_dsa_plugin.ops import reference as ref
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops import _exp53_old as old
@@ -45,12 +45,8 @@ for wl, H, options in PATHS:
         outs[name] = (o.clone(), l.clone())
     chk = dict(out_bitwise=bool(torch.equal(outs["tree"][0], outs["old"][0])),
                lse_bitwise=bool(torch.equal(outs["tree"][1], outs["old"][1])), R=_kernel_lists(saved)[0])
-    times = {name: [] for name in VARIANTS}
-    for rnd in range(6):
-        for name in (list(VARIANTS) if rnd % 2 == 0 else list(VARIANTS)[::-1]):
-            use(name)
-            times[name].append(bench(lambda: be.forward_saving(q, kv, idx, SCALE, DV)))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    times, med = alternating({name: (lambda: be.forward_saving(q, kv, idx, SCALE, DV)) for name in VARIANTS},
+                             before=use)
     res["rows"][key] = dict(median_ms=med, rounds=times, **chk)
     print(f"{key}: tree {med['tree']:.4f} old {med['old']:.4f} ({med['tree'] / med['old']:.4f}x) {chk}", flush=True)
     save()
@@ -67,11 +63,8 @@ for wl in ("W2", "W1"):
     T = q.shape[1]
     o = torch.empty(1, T, 64, DV, dtype=q.dtype, device="cuda")
     l = torch.empty(1, T, 64, device="cuda")
-    times = {name: [] for name in kernels}
-    for rnd in range(6):
-        for name in (list(kernels) if rnd % 2 == 0 else list(kernels)[::-1]):
-            times[name].append(bench(lambda: kernels[name](q, saved[0], keys, ext, members, o, l)))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    times, med = alternating({name: (lambda k=k: k(q, saved[0], keys, ext, members, o, l))
+                              for name, k in kernels.items()})
     res["rows"][f"{wl} H64 raw ws kernel"] = dict(median_ms=med, rounds=times)
     print(f"{wl} H64 raw ws kernel: tree {med['tree']:.4f} old {med['old']:.4f} ({med['tree'] / med['old']:.4f}x)",
           flush=True)

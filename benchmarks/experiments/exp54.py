@@ -6,11 +6,11 @@ first ("lf") and also with the prefetch of that block's Q, dO and O tiles ("lfpf
 must be bitwise equal (the same per-row arithmetic); dkv sums its atomics in another order. As
 run in session 22 (call 2, on 4c7c161); "lf" landed (1c7ad98), so make_exp54.py no longer
 applies to the tree (the line it rewrites changed)."""
-import functools, json, os, statistics, sys, time
+import functools, json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DV, SCALE, bench, workload
+from common import DV, SCALE, alternating, workload
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops import _exp54 as ex
 from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, _kernel_lists
@@ -33,12 +33,8 @@ def rel(a, b):
 
 
 def rounds(variants, patch, fn, n=6):
-    times = {k: [] for k in variants}
-    for rnd in range(n):
-        for name in (list(variants) if rnd % 2 == 0 else list(variants)[::-1]):
-            patch(variants[name])
-            times[name].append(bench(fn))
-    return times, {k: statistics.median(v) for k, v in times.items()}
+    """``common.alternating`` of ``fn`` with ``patch(variants[name])`` before each timing."""
+    return alternating({name: fn for name in variants}, rounds=n, before=lambda name: patch(variants[name]))
 
 
 def set_fwd(f):
@@ -72,11 +68,8 @@ for wl in ("W2", "W1"):
     o1 = torch.empty(1, T, 64, DV, dtype=q.dtype, device="cuda")
     l1 = torch.empty(1, T, 64, device="cuda")
     raw = {k: f(*args, rows_per_block=1) for k, f in FWD.items()}
-    times = {k: [] for k in raw}
-    for rnd in range(6):
-        for name in (list(raw) if rnd % 2 == 0 else list(raw)[::-1]):
-            times[name].append(bench(lambda: raw[name](q, saved[0], keys, ext, members, o1, l1)))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    times, med = alternating({name: (lambda k=k: k(q, saved[0], keys, ext, members, o1, l1))
+                              for name, k in raw.items()})
     res["rows"][f"{wl} H64 raw forward kernel"] = dict(median_ms=med, rounds=times)
     print(f"{wl} H64 raw forward kernel: tree {med['tree']:.4f} pf {med['pf']:.4f} ({med['pf'] / med['tree']:.4f}x)",
           flush=True)
