@@ -69,17 +69,17 @@ def ragged_workload(H, T=1000, T_kv=3000, K=512):
     return q, kv, idx
 
 
-def backward_ab(builders: dict, wl: str, seed: int, rounds: int = 8) -> dict:
+def backward_ab(builders: dict, wl: str, seed: int, rounds: int = 8, H: int = 64) -> dict:
     """Warp-specialised backward builders (name -> builder; the first is the baseline) through
     TileLangBackend, ``tilelang_kernels.sparse_mla_bwd_ws_kernel`` patched in turn (restored after)
-    on one workload at H64: dq bitwise and dkv's relative difference against the baseline, then
+    on one workload at H heads (below 64: the backend's row groups): dq bitwise and dkv's relative difference against the baseline, then
     ``alternating`` rounds. -> {"median_ms", "rounds", "<name> dq_bitwise", "<name> dkv_rel"}."""
     from glm5_dsa_plugin.ops import tilelang_kernels as tk
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
     original = tk.sparse_mla_bwd_ws_kernel
     base = next(iter(builders))
-    q, kv, idx, g = workload(wl, 64, seed=seed)
+    q, kv, idx, g = workload(wl, H, seed=seed)
     be = TileLangBackend()
     out, lse, saved = be.forward_saving(q, kv, idx, SCALE, DV)
 
