@@ -986,7 +986,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     H64 kernel, 4.9% at W1). R = 1 stores dq through the dead Q tile in 16-byte stores (exp49).
     Rows (groups) run last first, as in the forward: under a causal mask the longest lists start
     first instead of trailing the launch (exp54: W2 H64 0.992x, W1 0.995x; an L2 prefetch of the
-    next wave's Q / dO / O tiles on top of it was 1% slower)."""
+    next wave's Q / dO / O tiles on top of it was 1% slower). Warpgroup 0 keeps its rows' lse in
+    registers, read once (exp69: read from global memory after every score GEMM it cost W2 H64
+    2.2-2.8%, W1 1.4-1.9%), and GEMM pairs that need nothing from each other (a chunk's two, dQ's
+    two, dP and the deferred tail chunk) share one wgmma wait (alone: within noise)."""
     R = rows_per_block
     assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
@@ -1055,7 +1058,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     def value_chunk(w, c, f, n):
         # dKV^T[f * 64:(f + 1) * 64] = Q^T dS + dO^T P over this block's slots
         T.gemm(w.q_s[0:h_blk, f * 64:(f + 1) * 64], w.dp_s, w.acc_t[c], transpose_A=True,
-               policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+               policy=T.GemmWarpPolicy.FullRow, clear_accum=True, annotations={"wg_wait": -1})  # the next GEMM's wait covers it
         T.gemm(w.do_s[0:h_blk, f * 64:(f + 1) * 64], w.p_s, w.acc_t[c], transpose_A=True,
                policy=T.GemmWarpPolicy.FullRow)
         stage_chunk(w, c, n)
@@ -1109,7 +1112,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             if not one_tile:
                 T.gemm(w.qt_s, w.kt_s, w.acc_sp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             for h, j in T.Parallel(h_blk, BS):
-                w.acc_sp[h, j] = T.exp2(w.acc_sp[h, j] * scale2 - load_lse(w.Lse, w.b, w.s, w.h0, h, S) * LOG2E)
+                w.acc_sp[h, j] = T.exp2(w.acc_sp[h, j] * scale2 - w.lse_log2[h])
             T.copy(w.acc_sp, w.p32_s[0:h_blk, 0:BS])
             T.copy(w.acc_sp, w.p_s)
             T.fence_proxy_async()
@@ -1117,9 +1120,11 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         else:
             # warpgroup 1: dP = dO V^T, the previous block's tail chunk, then dS = P (dP - Delta) * scale
             T.gemm(w.do_s, w.kv_parts[0], w.acc_ds, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                   clear_accum=True)
+                   clear_accum=True, annotations={"wg_wait": -1})
             if blk > 0:
-                tail_chunk(w, blk - 1)
+                tail_chunk(w, blk - 1)  # its GEMM's wait covers dP's batch too
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(w.acc_ds, num_regs=h_blk * BS // 128)
             T.barrier_wait(w.p_ready, blk & 1)
             for h, j in T.Parallel(h_blk, BS):
                 w.acc_ds[h, j] = w.p32_s[h, j] * (w.acc_ds[h, j] - w.delta_s[h]) * scale
@@ -1127,8 +1132,9 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             T.fence_proxy_async()
             T.barrier_arrive(w.ds_ready)
         T.barrier_wait(w.ds_ready, blk & 1)
-        T.gemm(w.dp_s, w.kv_parts[0], w.acc_dq, policy=T.GemmWarpPolicy.FullCol)
-        T.gemm(w.dp_s, w.kv_parts[1], w.acc_dqt, policy=T.GemmWarpPolicy.FullCol)
+        T.gemm(w.dp_s, w.kv_parts[0], w.acc_dq, policy=T.GemmWarpPolicy.FullCol, annotations={"wg_wait": -1})
+        T.gemm(w.dp_s, w.kv_parts[1], w.acc_dqt, policy=T.GemmWarpPolicy.FullCol)  # waits for both
+        T.warpgroup_fence_operand(w.acc_dq, num_regs=h_blk * D // 256)
         T.barrier_arrive(w.kv_free)  # warpgroup 2 may gather the next block now
         dkv_by_chunks(w, blk)
 
@@ -1164,6 +1170,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             acc_ds = T.alloc_fragment([h_blk, BS], acc)  # warpgroup 1's dP, then dS
             acc_dq = T.alloc_fragment([h_blk, D], acc)
             acc_dqt = T.alloc_fragment([h_blk, DT], acc)
+            lse_log2 = T.alloc_fragment([h_blk], acc)  # warpgroup 0: its rows' lse * log2(e)
             acc_t0 = T.alloc_fragment([64, BS], acc)  # a dKV^T chunk, per warpgroup
             acc_t1 = T.alloc_fragment([64, BS], acc)
             od = T.alloc_fragment([h_blk, DELTA_COLS], acc)
@@ -1192,8 +1199,8 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             # Q and the kv block as (first d_v columns, rope tail) GEMM operands
             q_parts = (q_s[0:h_blk, 0:D], q_s[0:h_blk, D:D + DT]) if one_tile else (q_s, qt_s)
             kv_parts = (kv_s[0:BS, 0:D], kv_s[0:BS, D:D + DT]) if one_tile else (kv_s, kt_s)
-            w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, O=O, dO=dO, Lse=Lse, dKV=dKV, b=b, s=s, g=g,
-                                h0=h0, valid=valid, acc_sp=acc_sp, acc_ds=acc_ds, acc_dq=acc_dq, acc_dqt=acc_dqt,
+            w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, O=O, dO=dO, dKV=dKV, b=b, s=s, g=g,
+                                h0=h0, valid=valid, lse_log2=lse_log2, acc_sp=acc_sp, acc_ds=acc_ds, acc_dq=acc_dq, acc_dqt=acc_dqt,
                                 q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s, kv_s=kv_s, kt_s=kt_s,
                                 kv_parts=kv_parts, p_s=p_s, dp_s=dp_s, p32_s=p32_s, delta_s=delta_s,
                                 full=full, kv_free=kv_free, p_ready=p_ready, ds_ready=ds_ready,
@@ -1217,6 +1224,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                 T.clear(acc_dq)
                 T.clear(acc_dqt)
                 _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D, do_from_shared=True, unrolled=one_tile)
+                if tx < 128:
+                    # read once: loaded after each step's score GEMM instead, it cost 2-3% (exp69)
+                    for h in T.Parallel(h_blk):
+                        lse_log2[h] = load_lse(Lse, b, s, h0, h, S) * LOG2E
                 for i in T.serial(nb):
                     step(w, i)
                 if tx >= 128:
