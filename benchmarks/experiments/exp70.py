@@ -3,7 +3,7 @@ against the tree's: out / lse bitwise equal on W2 / W1 H64, W2 H16 (row groups, 
 ragged case (odd pair counts, an empty row, padding inside rows); then raw kernel launches (W2 /
 W1 H64) and the backend's forward (W2 / W1 H64, W2 H16), 8 alternating rounds. If the raw kernel
 is at least 1% faster at both W2 and W1 H64 and everything is bitwise equal, "exp70" goes to
-$OUT/exp70_winner for the GPU suite (``exp70_plugin``)."""
+$OUT/exp70_winner (the gate for a GPU-suite run with it; session 24's call 7: not met)."""
 import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch

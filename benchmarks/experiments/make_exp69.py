@@ -9,7 +9,8 @@ warpgroup instead of 14-15); the arithmetic and its order are unchanged. On top 
 "lse", warpgroup 0 keeps its rows' lse * log2(e) in registers (read once, not from global memory
 after every score GEMM); "mask", warpgroup 0 sets the step's slot mask before it waits for the
 gathered block, not after; "pre", both; "lseonly", "lse" without "chain"; "lsevalid", "lse" with only
-the mask's index loads before the wait ("mask" spills 136 bytes). Run from the repository root."""
+the mask's index loads before the wait ("mask" spills 136 bytes). Run from the repository root on
+v25's kernels (the tree before 0a23893, which landed "lse" as v26)."""
 from patching import replace_once
 
 tree = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
