@@ -1056,9 +1056,9 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
 
     @T.macro
     def value_chunk(w, c, f, n):
-        # dKV^T[f * 64:(f + 1) * 64] = Q^T dS + dO^T P over this block's slots
+        # dKV^T[f * 64:(f + 1) * 64] = Q^T dS + dO^T P over this block's slots (one wgmma wait for both)
         T.gemm(w.q_s[0:h_blk, f * 64:(f + 1) * 64], w.dp_s, w.acc_t[c], transpose_A=True,
-               policy=T.GemmWarpPolicy.FullRow, clear_accum=True, annotations={"wg_wait": -1})  # the next GEMM's wait covers it
+               policy=T.GemmWarpPolicy.FullRow, clear_accum=True, annotations={"wg_wait": -1})
         T.gemm(w.do_s[0:h_blk, f * 64:(f + 1) * 64], w.p_s, w.acc_t[c], transpose_A=True,
                policy=T.GemmWarpPolicy.FullRow)
         stage_chunk(w, c, n)
@@ -1200,7 +1200,8 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             q_parts = (q_s[0:h_blk, 0:D], q_s[0:h_blk, D:D + DT]) if one_tile else (q_s, qt_s)
             kv_parts = (kv_s[0:BS, 0:D], kv_s[0:BS, D:D + DT]) if one_tile else (kv_s, kt_s)
             w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, O=O, dO=dO, dKV=dKV, b=b, s=s, g=g,
-                                h0=h0, valid=valid, lse_log2=lse_log2, acc_sp=acc_sp, acc_ds=acc_ds, acc_dq=acc_dq, acc_dqt=acc_dqt,
+                                h0=h0, valid=valid, lse_log2=lse_log2, acc_sp=acc_sp, acc_ds=acc_ds, acc_dq=acc_dq,
+                                acc_dqt=acc_dqt,
                                 q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s, kv_s=kv_s, kt_s=kt_s,
                                 kv_parts=kv_parts, p_s=p_s, dp_s=dp_s, p32_s=p32_s, delta_s=delta_s,
                                 full=full, kv_free=kv_free, p_ready=p_ready, ds_ready=ds_ready,
@@ -1225,7 +1226,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                 T.clear(acc_dqt)
                 _row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D, do_from_shared=True, unrolled=one_tile)
                 if tx < 128:
-                    # read once: loaded after each step's score GEMM instead, it cost 2-3% (exp69)
+                    # read once: loaded after each step's score GEMM, it cost W2 H64 2-3%, W1 1-2% (exp69)
                     for h in T.Parallel(h_blk):
                         lse_log2[h] = load_lse(Lse, b, s, h0, h, S) * LOG2E
                 for i in T.serial(nb):
