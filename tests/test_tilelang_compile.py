@@ -336,6 +336,17 @@ def test_warp_specialized_backward_places_its_own_proxy_fences(heads, d_v, R):
     assert tl_cuda_transform.InjectFenceProxy is wrapped
 
 
+@pytest.mark.parametrize("heads,R", [(64, 1), (16, 4), (8, 8)])
+def test_warp_specialized_backward_reads_lse_before_its_block_loop(heads, R):
+    """Warpgroup 0 reads its rows' lse once, before the block loop: loaded after each step's score
+    GEMM (behind a wgmma wait no load can move above) it cost the W2 H64 backward 2-3% (exp69)."""
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+
+    src = sparse_mla_bwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A).get_kernel_source()
+    loop = src.index("for (int blk = 0; blk < nb; ++blk)")
+    assert "Lse[" in src[:loop] and "Lse[" not in src[loop:]
+
+
 @pytest.mark.parametrize("rows,width,threads", [(64, 512, 384), (64, 576, 384), (64, 64, 384), (64, 512, 256),
                                                 (48, 320, 384), (16, 64, 128)])
 def test_vector_rows_splits_a_tile_into_whole_vectors(rows, width, threads):
