@@ -42,56 +42,34 @@ src = replace_once(src, '''        T.gemm(w.dp_s, w.kv_parts[1], w.acc_dqt, poli
 ''')
 chain = src
 
-MASK_AFTER_WAIT = """    def step(w, blk):
-        T.barrier_wait(w.full, blk & 1)
-        if w.tx < 128:
-            # warpgroup 0: masked scores, P = exp(S - lse); P to p32_s (fp32, for dS) and p_s (bf16)
-            for j in T.Parallel(BS):
+# the step's opening: the wait for the gathered block, then warpgroup 0's slot mask (index loads,
+# VALID, then the 0 / -inf fill, FILL) before its score GEMM
+STEP = "    def step(w, blk):\n"
+WAIT = "        T.barrier_wait(w.full, blk & 1)\n"
+WG0 = """        if w.tx < 128:
+"""
+COMMENT = "            # warpgroup 0: masked scores, P = exp(S - lse); P to p32_s (fp32, for dS) and p_s (bf16)\n"
+VALID = """            for j in T.Parallel(BS):
                 if R == 1:
                     w.valid[j] = valid_slot(w.Indices[w.b, w.s, w.g, blk * BS + j], n_kv)
                 else:
                     w.valid[j] = T.cast(w.Members[w.b, w.s, w.g, blk * BS + j], T.int32)
-            for h, j in T.Parallel(h_blk, BS):
+"""
+FILL = """            for h, j in T.Parallel(h_blk, BS):
                 w.acc_sp[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
-            T.gemm("""
-MASK_BEFORE_WAIT = """    def step(w, blk):
-        if w.tx < 128:
-            for j in T.Parallel(BS):
-                if R == 1:
-                    w.valid[j] = valid_slot(w.Indices[w.b, w.s, w.g, blk * BS + j], n_kv)
-                else:
-                    w.valid[j] = T.cast(w.Members[w.b, w.s, w.g, blk * BS + j], T.int32)
-            for h, j in T.Parallel(h_blk, BS):
-                w.acc_sp[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
-        T.barrier_wait(w.full, blk & 1)
-        if w.tx < 128:
-            # warpgroup 0: masked scores, P = exp(S - lse); P to p32_s (fp32, for dS) and p_s (bf16)
-            T.gemm("""
+"""
+GEMM = "            T.gemm("
+MASK_AFTER_WAIT = STEP + WAIT + WG0 + COMMENT + VALID + FILL + GEMM
 
 
 def early_mask(src):
     """The step's slot mask set before warpgroup 0 waits for the gathered block."""
-    return replace_once(src, MASK_AFTER_WAIT, MASK_BEFORE_WAIT)
-
-
-VALID_BEFORE_WAIT = """    def step(w, blk):
-        if w.tx < 128:
-            for j in T.Parallel(BS):
-                if R == 1:
-                    w.valid[j] = valid_slot(w.Indices[w.b, w.s, w.g, blk * BS + j], n_kv)
-                else:
-                    w.valid[j] = T.cast(w.Members[w.b, w.s, w.g, blk * BS + j], T.int32)
-        T.barrier_wait(w.full, blk & 1)
-        if w.tx < 128:
-            # warpgroup 0: masked scores, P = exp(S - lse); P to p32_s (fp32, for dS) and p_s (bf16)
-            for h, j in T.Parallel(h_blk, BS):
-                w.acc_sp[h, j] = T.if_then_else(attends(w.valid, h, j), 0, -T.infinity(acc))
-            T.gemm("""
+    return replace_once(src, MASK_AFTER_WAIT, STEP + WG0 + VALID + FILL + WAIT + WG0 + COMMENT + GEMM)
 
 
 def early_valid(src):
     """Only the slot mask's index loads before warpgroup 0 waits for the gathered block."""
-    return replace_once(src, MASK_AFTER_WAIT, VALID_BEFORE_WAIT)
+    return replace_once(src, MASK_AFTER_WAIT, STEP + WG0 + VALID + WAIT + WG0 + COMMENT + FILL + GEMM)
 
 
 def lse_in_registers(src):
