@@ -383,6 +383,8 @@ def main():
                 r_out, _ = ref.forward(q[None], kv[None], idx[None], SCALE, D_V)
                 r_dq, r_dkv = ref.backward(q[None], kv[None], idx[None], grad[None], SCALE, D_V)
                 errs = [rel(base[0], r_out[0]), rel(base[1], r_dq[0]), rel(base[2], r_dkv[0])]
+                # (freed here: alive, they counted in the next H's first peak_gib, 0.53 GiB after H64)
+                del r_out, r_dq, r_dkv, base
                 for r in rows:
                     if r["workload"] == wl and r["H"] == H and r["impl"] == "ours":
                         r["rel_l2_vs_reference"] = errs
