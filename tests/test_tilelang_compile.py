@@ -80,6 +80,30 @@ def test_deterministic_backward_builds_without_atomics():
     assert "AtomicAdd" not in src
 
 
+def test_deterministic_warp_specialised_backward_stores_each_slot():
+    """The per-slot warp-specialised backward (deterministic mode, 64-row tiles): the drain
+    stores each staged chunk row in 16-byte vectors into the per-slot dKV (row-major [B, T, G*nh,
+    topk, 576]: one slot row is 576 floats) and issues no atomic, under the same valid-slot test;
+    the atomic kernel keeps its vector atomics. The same shared memory (<= 227 KiB)."""
+    import re
+
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+
+    per_slot = sparse_mla_bwd_ws_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90A, dkv_per_slot=True)
+    atomic = sparse_mla_bwd_ws_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90A)
+    src, atomic_src = per_slot.get_kernel_source(), atomic.get_kernel_source()
+    assert "AtomicAdd" not in src and "AtomicAddx4" in atomic_src
+    stores = re.findall(r"\*\(float4\*\)\(dKV \+ [^;]*\) = \*\(float4\*\)\(\(\(float\*\)ch_s[01]\)", src)
+    assert len(stores) == 2, stores  # one per MMA warpgroup's chunk buffers
+    assert all("(int64_t)576)" in st for st in stores)  # slot rows of 576 floats
+    lines = src.splitlines()
+    at = [i for i, ln in enumerate(lines) if "*(float4*)(dKV + " in ln]
+    assert len(at) == 2 and all("if ((0 <= key_" in lines[i - 1] for i in at)  # only valid slots are stored
+    assert _requested_dyn_smem(per_slot) == _requested_dyn_smem(atomic) <= HOPPER_MAX_DYN_SMEM
+    with pytest.raises(AssertionError, match="one row per block"):
+        sparse_mla_bwd_ws_kernel(16, 512, 64, 2048, 1, 256**-0.5, rows_per_block=4, target=SM90A, dkv_per_slot=True)
+
+
 def test_unsupported_split_rejected_before_compiling():
     from glm5_dsa_plugin.ops.tilelang_kernels import check_split
 

@@ -32,6 +32,23 @@ for N, R, D in [(1000, 37, 576), (5, 3, 70), (40, 1, 64)]:
     out = torch.randn(R, D, generator=g); want = out.double().index_add(0, k, c.double())
     segment_sum_rows(c, k, out)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
+# n_keys (no host sync): key n_keys drops an entry (its contrib row, NaN here, is never read);
+# bitwise the same sums as the synchronising path over the kept entries, in the same order
+for N, R, D in [(1000, 37, 576), (5, 3, 70), (64, 1, 64)]:
+    c = torch.randn(N, D, generator=g); k = torch.randint(0, R + 1, (N,), generator=g)
+    c[k == R] = float("nan")
+    keep = k < R
+    out = torch.randn(R, D, generator=g)
+    got, ref = out.clone(), out.clone()
+    segment_sum_rows(c, k, got, n_keys=R)
+    segment_sum_rows(c, k[keep], ref, src=keep.nonzero().squeeze(1))
+    assert torch.equal(got, ref), (N, R, D)
+    torch.testing.assert_close(got.double(), out.double().index_add(0, k[keep], c[keep].double()), rtol=1e-5, atol=1e-4)
+try:
+    segment_sum_rows(c, k, torch.zeros(R + 1, D), n_keys=R)
+    raise SystemExit("n_keys != out rows accepted")
+except ValueError as e:
+    assert "n_keys" in str(e)
 print("OK")
 """
 

@@ -490,8 +490,9 @@ class TileLangBackend:
 
     def _warp_specialized(self, hg_pad: int, row_groups: bool, backward: bool = False) -> bool:
         """Whether this direction runs its warp-specialised kernel (``sparse_mla_fwd_ws_kernel`` /
-        ``sparse_mla_bwd_ws_kernel``): 64-row tiles (>= 64 heads per group, or row groups), safe
-        mode, its flag on; the backward's dKV is atomic, so not in deterministic mode."""
+        ``sparse_mla_bwd_ws_kernel``) with atomic dKV: 64-row tiles (>= 64 heads per group, or row
+        groups), safe mode, its flag on; not in deterministic mode (whose per-slot variant
+        ``_backward_deterministic`` chooses)."""
         flag = self.bwd_warp_specialized and not self.deterministic if backward else self.fwd_warp_specialized
         return self.safe and flag and (row_groups or hg_pad >= 64)
 
@@ -587,8 +588,8 @@ class TileLangBackend:
         B, T, Hp, Dqk = qp.shape
         dq_checked = False  # whether the kernel tested dq itself (the warp-specialised one)
         if self.deterministic:
-            dq, dkv = self._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad,
-                                                   sm_scale, d_v)
+            dq, dkv, dq_checked = self._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad,
+                                                               sm_scale, d_v, nonfinite_flag)
         else:
             k_pad = padded_topk(idx.shape[-1])  # (the caller's indices may be unpadded: row groups)
             ws = self._warp_specialized(hg_pad, R > 1, backward=True)
@@ -606,10 +607,14 @@ class TileLangBackend:
         dq = _unpad_heads(dq, G, hg, hg_pad)
         return dq, finish_backward(dkv, n_kv, kv_k.dtype, None if dq_checked else dq, nonfinite_flag)
 
-    def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad, sm_scale, d_v):
+    def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad, sm_scale, d_v,
+                                nonfinite_flag=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """dq as usual (one block per query row, no atomics); dkv from per-slot contributions summed
-        per kv row by ``segment_sum_rows`` in slot order, chunk after chunk of query rows."""
-        from .tilelang_kernels import head_block, sparse_mla_bwd_kernel
+        per kv row by ``segment_sum_rows`` in slot order, chunk after chunk of query rows.
+        64-row head tiles run the warp-specialised kernel (its drain stores each valid slot's
+        contribution instead of adding it; it tests dq itself and sets ``nonfinite_flag``), others
+        the single-warpgroup one. -> (dq, dkv fp32 with the sentinel row, whether dq was tested)."""
+        from .tilelang_kernels import head_block, sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
         from .triton_helpers import segment_sum_rows
 
         if not self.safe:
@@ -617,9 +622,16 @@ class TileLangBackend:
         B, T, Hp, Dqk = qp.shape
         K, n_kv = idx.shape[-1], kv_k.shape[1] - 1
         nh = hg_pad // head_block(hg_pad)
-        kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), self.safe, dkv_per_slot=True)
+        ws = self.bwd_warp_specialized and hg_pad >= 64
+        if ws:
+            kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), dkv_per_slot=True)
+            flag = (self._scratch_flag(qp.device) if nonfinite_flag is None else nonfinite_flag,)
+        else:
+            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), self.safe, dkv_per_slot=True)
+            flag = ()
         dq = torch.empty_like(qp)
-        dkv = torch.zeros(B * kv_k.shape[1] * G, Dqk, dtype=torch.float32, device=qp.device)
+        n_rows = B * kv_k.shape[1] * G
+        dkv = torch.zeros(n_rows, Dqk, dtype=torch.float32, device=qp.device)
         rows = max(1, self.slot_buffer_bytes // (B * G * nh * K * Dqk * 4))
         dev = qp.device
         b_off = (torch.arange(B, device=dev) * kv_k.shape[1]).view(B, 1, 1, 1)
@@ -630,11 +642,11 @@ class TileLangBackend:
             idx_c = part(idx)
             slots = torch.empty(B, t1 - t0, G * nh, K, Dqk, dtype=torch.float32, device=dev)
             dq_c = torch.empty(B, t1 - t0, Hp, Dqk, dtype=qp.dtype, device=dev)
-            kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(outp), part(extent), idx_c, dq_c, slots)
+            kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(outp), part(extent), idx_c, dq_c, slots, *flag)
             dq[:, t0:t1] = dq_c
-            # slot (b, t, g*nh + hb, j) adds to kv row (b, idx[b, t, g, j], g)
-            key = ((b_off + idx_c.long()) * G + g_off).unsqueeze(3).expand(B, t1 - t0, G, nh, K).reshape(-1)
-            valid = (idx_c < n_kv).unsqueeze(3).expand(B, t1 - t0, G, nh, K).reshape(-1)
-            src = valid.nonzero().squeeze(1)
-            segment_sum_rows(slots.view(-1, Dqk), key[src], dkv, src=src)
-        return dq, dkv.view(B, kv_k.shape[1], G, Dqk)
+            # slot (b, t, g*nh + hb, j) adds to kv row (b, idx[b, t, g, j], g); padding slots (the
+            # sentinel index n_kv) get key n_rows, which drops them (no host sync in the sum)
+            key = torch.where(idx_c < n_kv, (b_off + idx_c.long()) * G + g_off, n_rows)
+            key = key.unsqueeze(3).expand(B, t1 - t0, G, nh, K).reshape(-1)
+            segment_sum_rows(slots.view(-1, Dqk), key, dkv, n_keys=n_rows)
+        return dq, dkv.view(B, kv_k.shape[1], G, Dqk), ws and T > 0

@@ -961,10 +961,13 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 
 @built_once
 def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda",
-                             mma_regs=216, producer_regs=72):
+                             mma_regs=216, producer_regs=72, dkv_per_slot=False):
     """Warp-specialised backward for 64-row tiles; the same tensors and results as
     ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV), plus ``Flags`` (set when dq holds NaN /
-    inf). 384 threads in three warpgroups.
+    inf). 384 threads in three warpgroups. ``dkv_per_slot`` (deterministic mode, one row per
+    block): no atomics; dKV is [B, T, G * nh, topk, Dqk] fp32 and receives each valid slot's
+    contribution (the drain stores the staged chunk rows; slots past a row's last valid one, and
+    padding slots, are not written), as ``sparse_mla_bwd_kernel(dkv_per_slot=True)`` lays it out.
 
     Per 32-slot block, the two MMA warpgroups split the score side: warpgroup 0 computes
     S = Q K^T and P, warpgroup 1 dP = dO V^T and then dS from P (handed over in fp32 through
@@ -992,6 +995,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     two, dP and the deferred tail chunk) share one wgmma wait (alone: within noise)."""
     R = rows_per_block
     assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
+    assert R == 1 or not dkv_per_slot, "per-slot dKV: one row per block"
     hg = heads // kv_group
     h_blk, nh = row_group_geometry(hg, R)
     assert h_blk == 64, "the warp-specialised backward runs 64-row tiles"
@@ -1015,6 +1019,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     NG = S if R == 1 else T.dynamic("row_groups")
     n_kv = SKV1 - 1
     load_rows, load_lse, attends = _row_group_access(R, hg)
+    dkv_shape = [B, S, kv_group * nh, K, D + DT] if dkv_per_slot else [B, SKV1, kv_group, D + DT]
 
     @T.macro
     def gather(w, blk):
@@ -1093,7 +1098,11 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             d = (r * 128 + tp) % 16 * 4
             key = w.Indices[w.b, w.s, w.g, blk * BS + j]
             if valid_slot(key, n_kv):
-                T.atomic_addx4(w.dKV[w.b, key, w.g, (c * HALF + k) * 64 + d], w.ch_s[c][n % 2, j, d])
+                if dkv_per_slot:
+                    for v in T.vectorized(4):
+                        w.dKV[w.b, w.s, w.bz, blk * BS + j, (c * HALF + k) * 64 + d + v] = w.ch_s[c][n % 2, j, d + v]
+                else:
+                    T.atomic_addx4(w.dKV[w.b, key, w.g, (c * HALF + k) * 64 + d], w.ch_s[c][n % 2, j, d])
         arrive_chunk_buffer(w.ch_free[c], n)
 
     @T.macro
@@ -1149,7 +1158,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         Extent: T.Tensor([B, NG, kv_group], T.int32),
         Members: T.Tensor([B, NG, kv_group, K], members_dtype(R)),
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
-        dKV: T.Tensor([B, SKV1, kv_group, D + DT], acc),
+        dKV: T.Tensor(dkv_shape, acc),
         Flags: T.Tensor([1], T.int32),
     ):
         with T.Kernel(NG, B, kv_group * nh, threads=THREADS) as (bx, b, bz):
@@ -1200,7 +1209,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             q_parts = (q_s[0:h_blk, 0:D], q_s[0:h_blk, D:D + DT]) if one_tile else (q_s, qt_s)
             kv_parts = (kv_s[0:BS, 0:D], kv_s[0:BS, D:D + DT]) if one_tile else (kv_s, kt_s)
             w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, O=O, dO=dO, dKV=dKV, b=b, s=s, g=g,
-                                h0=h0, valid=valid, lse_log2=lse_log2, acc_sp=acc_sp, acc_ds=acc_ds, acc_dq=acc_dq,
+                                bz=bz, h0=h0, valid=valid, lse_log2=lse_log2, acc_sp=acc_sp, acc_ds=acc_ds, acc_dq=acc_dq,
                                 acc_dqt=acc_dqt,
                                 q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s, kv_s=kv_s, kt_s=kt_s,
                                 kv_parts=kv_parts, p_s=p_s, dp_s=dp_s, p32_s=p32_s, delta_s=delta_s,

@@ -298,21 +298,32 @@ def _segment_sum_kernel(C, SRC, SEG_START, SEG_ROW, OUT, D: tl.constexpr, BP: tl
 
 
 def segment_sum_rows(contrib: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,
-                     src: torch.Tensor | None = None, block_p: int = 16) -> None:
+                     src: torch.Tensor | None = None, block_p: int = 16, n_keys: int | None = None) -> None:
     """Deterministic scatter-add: ``out[keys[i]] += contrib[src[i]]`` for every i (src defaults to i).
 
     contrib [N, D] fp32, keys / src [M] int64, out [R, D] fp32. Entries are grouped by key with a
     stable sort and each key's group is summed by one program in position order (blocks of
     ``block_p`` rows reduced by a fixed tree): bitwise identical from run to run, unlike
-    atomics. No two programs write the same row of ``out``."""
+    atomics. No two programs write the same row of ``out``.
+    ``n_keys`` (= R): no host sync (one program per row of ``out``, segments found by
+    ``searchsorted``), and entries whose key equals ``n_keys`` are dropped (their contrib rows
+    are never read). Without it the segments come from ``unique_consecutive``, which waits for
+    the device."""
     if keys.numel() == 0:
         return
     D = contrib.shape[1]
     sorted_keys, order = torch.sort(keys, stable=True)
     src = order if src is None else src[order]
-    seg_rows, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
-    seg_start = torch.zeros(seg_rows.numel() + 1, dtype=torch.int64, device=keys.device)
-    torch.cumsum(counts, 0, out=seg_start[1:])
+    if n_keys is not None:
+        if n_keys != out.shape[0]:
+            raise ValueError(f"segment_sum_rows: n_keys={n_keys} but out has {out.shape[0]} rows")
+        seg_rows = torch.arange(n_keys + 1, dtype=torch.int64, device=keys.device)
+        seg_start = torch.searchsorted(sorted_keys, seg_rows)
+        seg_rows = seg_rows[:n_keys]
+    else:
+        seg_rows, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+        seg_start = torch.zeros(seg_rows.numel() + 1, dtype=torch.int64, device=keys.device)
+        torch.cumsum(counts, 0, out=seg_start[1:])
     BD = 64
     grid = (seg_rows.numel(), triton.cdiv(D, BD))
     _segment_sum_kernel[grid](contrib.contiguous(), src, seg_start, seg_rows, out, D=D, BP=block_p, BD=BD)
