@@ -355,3 +355,15 @@ def test_deterministic_variant_keeps_every_setting():
     assert det.deterministic and not be.deterministic
     assert {k: v for k, v in vars(det).items() if k != "deterministic"} == \
         {k: v for k, v in vars(be).items() if k != "deterministic"}
+
+
+def test_deterministic_chunks_are_whole_waves():
+    """Rows per deterministic chunk round down to whole waves of one CTA per SM (132 SMs: 455 rows
+    -> 396, three waves; two CTAs per row -> 396 rows, six waves); fewer rows than one wave stay."""
+    from glm5_dsa_plugin.ops.tilelang_backend import _whole_waves
+
+    assert _whole_waves(455, 1, 132) == 396
+    assert _whole_waves(455, 2, 132) == 396 and 396 * 2 % 132 == 0
+    assert _whole_waves(455, 3, 132) == 440 and 440 * 3 % 132 == 0
+    assert _whole_waves(131, 1, 132) == 131 and _whole_waves(132, 1, 132) == 132
+    assert _whole_waves(1, 4, 132) == 1

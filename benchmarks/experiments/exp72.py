@@ -4,7 +4,9 @@ deterministic=True at 64 heads per group now runs ``sparse_mla_bwd_ws_kernel(dkv
 (the drain stores each valid slot's staged contribution; ``segment_sum_rows`` sums them per kv
 row in slot order) instead of the single-warpgroup kernel with per-slot dKV. Through the op,
 fwd+bwd, W2 and W1 at H64, same rounds:
-  det_ws       TileLangBackend(deterministic=True)                    (the tree)
+  det_ws       TileLangBackend(deterministic=True)                    (the tree: row chunks in
+               whole waves, 396 rows at W2 / W1 H64 with the 2 GiB slot buffer)
+  det_ws_rows  det_ws with chunk_whole_waves = False (455 rows per chunk: 3.45 waves)
   det_ws_sync  det_ws with the segment sum as before: padding slots filtered by nonzero(), segments
                by unique_consecutive (two host syncs per row chunk)
   det_classic  TileLangBackend(deterministic=True, bwd_warp_specialized=False)   (v26's kernel)
@@ -37,6 +39,7 @@ def patch_for(name):
 
 VARIANTS = {
     "det_ws": dict(deterministic=True),
+    "det_ws_rows": dict(deterministic=True, chunk_whole_waves=False),
     "det_ws_sync": dict(deterministic=True),
     "det_classic": dict(deterministic=True, bwd_warp_specialized=False),
     "det_ws_4g": dict(deterministic=True, slot_buffer_bytes=4 << 30),
@@ -49,8 +52,15 @@ def rel(a, b):
 
 
 def main():
+    def make(opts):
+        opts = dict(opts)
+        whole = opts.pop("chunk_whole_waves", True)
+        be = TileLangBackend(**opts)
+        be.chunk_whole_waves = whole
+        return be
+
     for name, opts in VARIANTS.items():
-        backends.register_backend(f"exp72_{name}", lambda opts=opts: TileLangBackend(**opts), replace=True)
+        backends.register_backend(f"exp72_{name}", lambda opts=opts: make(opts), replace=True)
     result = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "workloads": {}}
     for wl in ("W2", "W1"):
         q, kv, idx, g = workload(wl, 64, seed=72)

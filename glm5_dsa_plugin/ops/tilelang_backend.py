@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,15 @@ def _pad_topk(indices: torch.Tensor, block: int) -> torch.Tensor:
     if k % block == 0:
         return indices.contiguous()
     return F.pad(indices, (0, block - k % block), value=-1).contiguous()
+
+
+def _whole_waves(rows: int, ctas_per_row: int, n_sm: int) -> int:
+    """Query rows per deterministic chunk: at most ``rows``, rounded down to whole waves of a
+    kernel that runs one CTA per SM (``ctas_per_row`` CTAs per row), unless that leaves none.
+    With one CTA per SM, a chunk of 3.45 waves idles most SMs through its last wave; the chunk
+    boundaries set where dKV's per-chunk sums meet, so the bits depend on the GPU's SM count."""
+    step = n_sm // math.gcd(n_sm, ctas_per_row)
+    return rows // step * step if rows >= step else rows
 
 
 def forward_buckets(n_blocks: int, buckets: int) -> list[tuple[int, int]]:
@@ -607,6 +617,10 @@ class TileLangBackend:
         dq = _unpad_heads(dq, G, hg, hg_pad)
         return dq, finish_backward(dkv, n_kv, kv_k.dtype, None if dq_checked else dq, nonfinite_flag)
 
+    # deterministic mode's row chunks as whole waves of the warp-specialised kernel (see
+    # _whole_waves; False: as many rows as slot_buffer_bytes allows)
+    chunk_whole_waves = True
+
     def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad, sm_scale, d_v,
                                 nonfinite_flag=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """dq as usual (one block per query row, no atomics); dkv from per-slot contributions summed
@@ -634,13 +648,18 @@ class TileLangBackend:
         dkv = torch.zeros(n_rows, Dqk, dtype=torch.float32, device=qp.device)
         rows = max(1, self.slot_buffer_bytes // (B * G * nh * K * Dqk * 4))
         dev = qp.device
+        if ws and self.chunk_whole_waves:
+            rows = _whole_waves(rows, B * G * nh, torch.cuda.get_device_properties(dev).multi_processor_count)
         b_off = (torch.arange(B, device=dev) * kv_k.shape[1]).view(B, 1, 1, 1)
         g_off = torch.arange(G, device=dev).view(1, 1, G, 1)
+        # one slot buffer for every chunk (under torch's deterministic algorithms each torch.empty
+        # is filled; the kernels leave padding slots unwritten and the sum never reads them)
+        slot_buf = torch.empty(B * min(rows, T) * G * nh * K * Dqk, dtype=torch.float32, device=dev)
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             part = lambda x: x[:, t0:t1].contiguous()  # noqa: E731
             idx_c = part(idx)
-            slots = torch.empty(B, t1 - t0, G * nh, K, Dqk, dtype=torch.float32, device=dev)
+            slots = slot_buf[: B * (t1 - t0) * G * nh * K * Dqk].view(B, t1 - t0, G * nh, K, Dqk)
             dq_c = torch.empty(B, t1 - t0, Hp, Dqk, dtype=qp.dtype, device=dev)
             kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(outp), part(extent), idx_c, dq_c, slots, *flag)
             dq[:, t0:t1] = dq_c
