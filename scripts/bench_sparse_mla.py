@@ -5,7 +5,7 @@ Workloads (bf16, Dqk=576, d_v=512, G=1, topk=2048):
   W1: T=4096, T_kv=8192, all slots valid.
   W2: T=T_kv=4096, row t = random permutation of min(t+1, 2048) keys in [0, t] then -1; rows 0, 7, 2000 empty.
 Writes ``$OUT/bench_sparse_mla.json`` (rows: workload, H, impl, fwd_ms, fwd_bwd_ms, fwd_tflops,
-bwd_tflops, peak_gib, rel errors) and a PNG chart when matplotlib is present; prints a table last.
+bwd_tflops, peak_gib, call_peak_gib, rel errors) and a PNG chart when matplotlib is present; prints a table last.
 Rows: ours (defaults), ours_novalidate, ours_classic (both directions on the single-warpgroup
 kernels), ours_r1 (H < 64: one query row per block, no row groups), mcore, reference.
 ``--kernels-only``: the rows and the row groups' list figures only (``bench_sparse_mla_kernels.json``).
@@ -354,10 +354,12 @@ def main():
 
                 try:
                     torch.cuda.synchronize()
+                    live = torch.cuda.memory_allocated()  # inputs, and whatever earlier rows keep
                     torch.cuda.reset_peak_memory_stats()
                     fwd_bwd()
                     torch.cuda.synchronize()
                     peak = torch.cuda.max_memory_allocated() / 2**30
+                    call_peak = peak - live / 2**30  # the fwd+bwd's own: independent of the impls' order
                     o, _ = fwd()
                     res = (o.float(), qq.grad.float(), kk.grad.float())
                     fast = name == "reference"
@@ -370,7 +372,7 @@ def main():
                 t_b = t_fb - t_f
                 row = dict(workload=wl, H=H, impl=name, fwd_ms=t_f, fwd_bwd_ms=t_fb,
                            fwd_tflops=f_fwd / t_f / 1e9, bwd_tflops=f_bwd / t_b / 1e9 if t_b > 0 else None,
-                           peak_gib=peak, n_valid=n_valid,
+                           peak_gib=peak, call_peak_gib=call_peak, n_valid=n_valid,
                            finite=all(bool(torch.isfinite(x).all()) for x in res))
                 if name == "ours":
                     base = res
@@ -383,7 +385,8 @@ def main():
                 r_out, _ = ref.forward(q[None], kv[None], idx[None], SCALE, D_V)
                 r_dq, r_dkv = ref.backward(q[None], kv[None], idx[None], grad[None], SCALE, D_V)
                 errs = [rel(base[0], r_out[0]), rel(base[1], r_dq[0]), rel(base[2], r_dkv[0])]
-                # (freed here: alive, they counted in the next H's first peak_gib, 0.53 GiB after H64)
+                # (freed here: alive, they counted in the next H's first peak_gib, 0.53 GiB after H64;
+                # peak_gib counts all live memory, call_peak_gib only what the fwd+bwd adds)
                 del r_out, r_dq, r_dkv, base
                 for r in rows:
                     if r["workload"] == wl and r["H"] == H and r["impl"] == "ours":
@@ -542,14 +545,14 @@ def main():
     print(f"\n{result['gpu']}  {result['versions']}")
     for k, v in extra.items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
-    print(f"{'wl':3} {'H':>3} {'impl':16} {'fwd ms':>8} {'f+b ms':>8} {'fwdTF':>6} {'bwdTF':>6} {'GiB':>5}  rel(out,dq,dkv)")
+    print(f"{'wl':3} {'H':>3} {'impl':16} {'fwd ms':>8} {'f+b ms':>8} {'fwdTF':>6} {'bwdTF':>6} {'callGiB':>7}  rel(out,dq,dkv)")
     for r in rows:
         if "error" in r:
             print(f"{r['workload']:3} {r['H']:>3} {r['impl']:16} ERROR {r['error'][:60]}")
             continue
         errs = r.get("rel_l2_vs_reference") or r.get("rel_vs_ours") or []
         print(f"{r['workload']:3} {r['H']:>3} {r['impl']:16} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} "
-              f"{r['fwd_tflops']:6.0f} {(r['bwd_tflops'] or 0):6.0f} {r['peak_gib']:5.1f}  "
+              f"{r['fwd_tflops']:6.0f} {(r['bwd_tflops'] or 0):6.0f} {r['call_peak_gib']:7.2f}  "
               + " ".join(f"{e:.1e}" for e in errs) + ("" if r["finite"] else "  NONFINITE"))
 
 
