@@ -545,7 +545,8 @@ def main():
     print(f"\n{result['gpu']}  {result['versions']}")
     for k, v in extra.items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
-    print(f"{'wl':3} {'H':>3} {'impl':16} {'fwd ms':>8} {'f+b ms':>8} {'fwdTF':>6} {'bwdTF':>6} {'callGiB':>7}  rel(out,dq,dkv)")
+    print(f"{'wl':3} {'H':>3} {'impl':16} {'fwd ms':>8} {'f+b ms':>8} {'fwdTF':>6} {'bwdTF':>6} {'callGiB':>7}  "
+          "rel(out,dq,dkv)")
     for r in rows:
         if "error" in r:
             print(f"{r['workload']:3} {r['H']:>3} {r['impl']:16} ERROR {r['error'][:60]}")

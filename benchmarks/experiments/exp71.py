@@ -28,8 +28,8 @@ from glm5_dsa_plugin.ops.triton_helpers import KV_SUSPECT_BOUND, _prepare_indice
 
 
 @triton.jit
-def _prepare_rows_multi(IDX, EXT, FLAGS, K: tl.constexpr, n_kv, n_rows, KV, KVK, per_batch_in, per_batch_out, COUNTS, block,
-                        KV_FLAG, kv_bound, ROWS: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
+def _prepare_rows_multi(IDX, EXT, FLAGS, K: tl.constexpr, n_kv, n_rows, KV, KVK, per_batch_in, per_batch_out,
+                        COUNTS, block, KV_FLAG, kv_bound, ROWS: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     """As the tree's kernel with CHECK, COUNT, CHECK_KV and no REWRITE (K == K_PAD), ROWS index rows
     per program (the kv copy programs unchanged)."""
     pid = tl.program_id(0).to(tl.int64)

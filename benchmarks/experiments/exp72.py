@@ -106,8 +106,9 @@ def main():
     for wl, res in result["workloads"].items():
         med = res["median_ms"]
         for name in VARIANTS:
-            extra = "" if name == "default" else (f"  bitwise5={res[f'{name} bitwise_5_runs']}"
-                                                  f"  rel dq {res[f'{name} rel_dq']:.2e} dkv {res[f'{name} rel_dkv']:.2e}")
+            extra = "" if name == "default" else (
+                f"  bitwise5={res[f'{name} bitwise_5_runs']}"
+                f"  rel dq {res[f'{name} rel_dq']:.2e} dkv {res[f'{name} rel_dkv']:.2e}")
             print(f"{wl} {name:12s} {med[name]:8.3f}  {med[name] / med['det_classic']:6.3f}x of det_classic{extra}")
 
 

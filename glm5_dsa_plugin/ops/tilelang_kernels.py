@@ -1209,8 +1209,8 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             q_parts = (q_s[0:h_blk, 0:D], q_s[0:h_blk, D:D + DT]) if one_tile else (q_s, qt_s)
             kv_parts = (kv_s[0:BS, 0:D], kv_s[0:BS, D:D + DT]) if one_tile else (kv_s, kt_s)
             w = SimpleNamespace(tx=tx, Indices=Indices, Members=Members, KV=KV, O=O, dO=dO, dKV=dKV, b=b, s=s, g=g,
-                                bz=bz, h0=h0, valid=valid, lse_log2=lse_log2, acc_sp=acc_sp, acc_ds=acc_ds, acc_dq=acc_dq,
-                                acc_dqt=acc_dqt,
+                                bz=bz, h0=h0, valid=valid, lse_log2=lse_log2, acc_sp=acc_sp, acc_ds=acc_ds,
+                                acc_dq=acc_dq, acc_dqt=acc_dqt,
                                 q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s, kv_s=kv_s, kt_s=kt_s,
                                 kv_parts=kv_parts, p_s=p_s, dp_s=dp_s, p32_s=p32_s, delta_s=delta_s,
                                 full=full, kv_free=kv_free, p_ready=p_ready, ds_ready=ds_ready,
