@@ -477,6 +477,7 @@ def main():
             extra["W2_H64_deterministic_bitwise_5_runs"] = all(
                 torch.equal(a, b) for _ in range(4) for a, b in zip(step_det(), first))
             extra["W2_H64_fwd_bwd_ms_deterministic"] = bench(step_det, 5, 20)
+            record_gpu_idle(extra, step_det, "W2_H64_deterministic")  # its GPU time by kernel (the sum, the sort)
         except Exception as exc:  # noqa: BLE001
             extra["deterministic_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
 
