@@ -376,57 +376,64 @@ from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
 # The deterministic backward's chunk loop with the kernels replaced by a stand-in that writes a
-# known contribution for every slot (NaN for padding slots: the sum must never read them) and
-# records the rows of each chunk; the per-kv-row sums must equal a float64 index_add over the
-# valid slots for every chunk size, and the chunks must be whole waves (3 SMs here).
-B, T, G, HG, K, n_kv, D = 2, 11, 2, 128, 64, 20, 64  # (D: the stand-in ignores the real widths)
+# known contribution for every slot (NaN for padding slots: the sum must never read them), dq as
+# its row numbers, and records the rows of each chunk; the per-kv-row sums must equal a float64
+# index_add over the valid slots for every chunk size, dq must land on its rows (in place at
+# B = 1, through a copy at B = 2), and the chunks must be whole waves (3 SMs here).
+T, G, HG, K, n_kv, D = 11, 2, 128, 64, 20, 64  # (D: the stand-in ignores the real widths)
 nh = HG // 64
-g = torch.Generator().manual_seed(0)
-idx = torch.randint(0, n_kv + 1, (B, T, G, K), generator=g, dtype=torch.int32)  # n_kv: the sentinel
-idx[0, 3] = n_kv  # a row without a valid slot
-value = torch.randn(B, T, G * nh, K, D, generator=g, dtype=torch.float64)
-chunks = []
-
-def fake_builder(*args, **kwargs):
-    assert kwargs.get("dkv_per_slot")
-    def kernel(q, kv_k, dO, ind, lse, out, extent, members, dq, slots, *flag):
-        t0 = int(q[0, 0, 0, 0].item())  # the chunk's first row, written into q below
-        rows = slots.shape[1]
-        chunks.append(rows)
-        v = value[:, t0:t0 + rows].clone()
-        v[(ind >= n_kv).unsqueeze(3).expand(B, rows, G, nh, K).reshape(B, rows, G * nh, K)] = float("nan")
-        slots.copy_(v.float())
-        dq.zero_()
-    return kernel
-
-tk.sparse_mla_bwd_ws_kernel = fake_builder
-torch.cuda.get_device_properties = lambda dev: types.SimpleNamespace(multi_processor_count=3)
 Hp = G * HG
-qp = torch.zeros(B, T, Hp, D, dtype=torch.bfloat16)
-qp[:, :, 0, 0] = torch.arange(T, dtype=torch.bfloat16)  # row numbers (exact in bf16 below 256)
-kv_k = torch.zeros(B, n_kv + 1, G, D, dtype=torch.bfloat16)
-dop, outp = torch.zeros(B, T, Hp, 512, dtype=torch.bfloat16), torch.zeros(B, T, Hp, 512, dtype=torch.bfloat16)
-lsep, extent = torch.zeros(B, T, Hp), torch.full((B, T, G), K, dtype=torch.int32)
-want = torch.zeros(B * (n_kv + 1) * G, D, dtype=torch.float64)
-valid = idx < n_kv
-for b, t, gg, j in valid.nonzero().tolist():
-    for hb in range(nh):
-        want[(b * (n_kv + 1) + idx[b, t, gg, j]) * G + gg] += value[b, t, gg * nh + hb, j]
-per_row = B * G * nh * K * D * 4
-for rows_fit, expect in ((2, [2, 2, 2, 2, 2, 1]), (4, [3, 3, 3, 2]), (7, [6, 5]), (40, [11])):
-    chunks.clear()
-    be = TileLangBackend(deterministic=True, slot_buffer_bytes=rows_fit * per_row)
-    dq, dkv, tested = be._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, HG, 0.1, 512)
-    assert chunks == expect, (rows_fit, chunks)
-    assert tested and bool(torch.isfinite(dkv).all()), rows_fit
-    torch.testing.assert_close(dkv.double().view(-1, D), want, rtol=1e-5, atol=1e-5)
+torch.cuda.get_device_properties = lambda dev: types.SimpleNamespace(multi_processor_count=3)
+
+def check(B):
+    g = torch.Generator().manual_seed(B)
+    idx = torch.randint(0, n_kv + 1, (B, T, G, K), generator=g, dtype=torch.int32)  # n_kv: the sentinel
+    idx[0, 3] = n_kv  # a row without a valid slot
+    value = torch.randn(B, T, G * nh, K, D, generator=g, dtype=torch.float64)
+    chunks = []
+
+    def fake_builder(*args, **kwargs):
+        assert kwargs.get("dkv_per_slot")
+        def kernel(q, kv_k, dO, ind, lse, out, extent, members, dq, slots, *flag):
+            t0 = int(q[0, 0, 0, 0].item())  # the chunk's first row, written into q below
+            rows = slots.shape[1]
+            chunks.append(rows)
+            v = value[:, t0:t0 + rows].clone()
+            v[(ind >= n_kv).unsqueeze(3).expand(B, rows, G, nh, K).reshape(B, rows, G * nh, K)] = float("nan")
+            slots.copy_(v.float())
+            dq.copy_((torch.arange(rows) + t0 + 1).view(1, rows, 1, 1).expand_as(dq))
+        return kernel
+
+    tk.sparse_mla_bwd_ws_kernel = fake_builder
+    qp = torch.zeros(B, T, Hp, D, dtype=torch.bfloat16)
+    qp[:, :, 0, 0] = torch.arange(T, dtype=torch.bfloat16)  # row numbers (exact in bf16 below 256)
+    kv_k = torch.zeros(B, n_kv + 1, G, D, dtype=torch.bfloat16)
+    dop, outp = torch.zeros(B, T, Hp, 512, dtype=torch.bfloat16), torch.zeros(B, T, Hp, 512, dtype=torch.bfloat16)
+    lsep, extent = torch.zeros(B, T, Hp), torch.full((B, T, G), K, dtype=torch.int32)
+    want = torch.zeros(B * (n_kv + 1) * G, D, dtype=torch.float64)
+    for b, t, gg, j in (idx < n_kv).nonzero().tolist():
+        for hb in range(nh):
+            want[(b * (n_kv + 1) + idx[b, t, gg, j]) * G + gg] += value[b, t, gg * nh + hb, j]
+    per_row = B * G * nh * K * D * 4
+    # 4 (B = 1) or 8 (B = 2) CTAs per row: a whole wave of 3 SMs is 3 rows either way
+    for rows_fit, expect in ((2, [2, 2, 2, 2, 2, 1]), (4, [3, 3, 3, 2]), (7, [6, 5]), (40, [11])):
+        chunks.clear()
+        be = TileLangBackend(deterministic=True, slot_buffer_bytes=rows_fit * per_row)
+        dq, dkv, tested = be._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, HG, 0.1, 512)
+        assert chunks == expect, (B, rows_fit, chunks)
+        assert tested and bool(torch.isfinite(dkv).all()), (B, rows_fit)
+        torch.testing.assert_close(dkv.double().view(-1, D), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(dq, (torch.arange(T) + 1).view(1, T, 1, 1).expand_as(dq).to(dq.dtype)), (B, rows_fit)
+
+check(1)
+check(2)
 print("OK")
 """
 
 
 def test_deterministic_backward_sums_each_valid_slot_once_per_chunking():
     """The deterministic chunk loop on CPU (Triton interpreter for the segment sum, a stand-in for
-    the TileLang kernel): B = 2, G = 2, two head tiles per group; the kv rows' sums equal a float64
-    index_add over the valid slots whatever the chunk size, padding slots (NaN) are never read, and
-    chunks are whole waves of the (here 3) SMs with 8 CTAs per row."""
+    the TileLang kernel): B = 1 and 2, G = 2, two head tiles per group; the kv rows' sums equal a
+    float64 index_add over the valid slots whatever the chunk size, padding slots (NaN) are never
+    read, dq lands on its rows, and chunks are whole waves of the (here 3) SMs."""
     run_interpreted(DETERMINISTIC_CHUNKS)

@@ -435,9 +435,11 @@ class TileLangBackend:
         it after the call)."""
         return self.forward_saving(q, kv, indices, sm_scale, d_v, index_flag)[:2]
 
-    def _scratch_flag(self, device) -> torch.Tensor:
-        """An int32 [1] the warp-specialised backward may set when no caller asked for its
-        nonfinite flag (written, never read; one per device)."""
+    def _ws_backward_flag(self, device, nonfinite_flag=None) -> torch.Tensor:
+        """The int32 [1] the warp-specialised backward sets when dq holds NaN / inf: the caller's
+        ``nonfinite_flag``, else a scratch one (written, never read; one per device)."""
+        if nonfinite_flag is not None:
+            return nonfinite_flag
         flags = self._scratch_flags.get(device)
         if flags is None:
             flags = self._scratch_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
@@ -611,7 +613,7 @@ class TileLangBackend:
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
             if T > 0:
-                flag = () if not ws else (self._scratch_flag(q.device) if nonfinite_flag is None else nonfinite_flag,)
+                flag = (self._ws_backward_flag(q.device, nonfinite_flag),) if ws else ()
                 kernel(qp, kv_k, dop, keys, lsep, outp, ext, members, dq, dkv, *flag)
             dq_checked = ws and T > 0
         dq = _unpad_heads(dq, G, hg, hg_pad)
@@ -639,7 +641,7 @@ class TileLangBackend:
         ws = self.bwd_warp_specialized and hg_pad >= 64
         if ws:
             kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), dkv_per_slot=True)
-            flag = (self._scratch_flag(qp.device) if nonfinite_flag is None else nonfinite_flag,)
+            flag = (self._ws_backward_flag(qp.device, nonfinite_flag),)
         else:
             kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), self.safe, dkv_per_slot=True)
             flag = ()
@@ -660,9 +662,13 @@ class TileLangBackend:
             part = lambda x: x[:, t0:t1].contiguous()  # noqa: E731
             idx_c = part(idx)
             slots = slot_buf[: B * (t1 - t0) * G * nh * K * Dqk].view(B, t1 - t0, G * nh, K, Dqk)
-            dq_c = torch.empty(B, t1 - t0, Hp, Dqk, dtype=qp.dtype, device=dev)
+            dq_c = dq[:, t0:t1]  # written in place where contiguous (B = 1), else through a copy
+            direct = dq_c.is_contiguous()
+            if not direct:
+                dq_c = torch.empty(B, t1 - t0, Hp, Dqk, dtype=qp.dtype, device=dev)
             kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(outp), part(extent), idx_c, dq_c, slots, *flag)
-            dq[:, t0:t1] = dq_c
+            if not direct:
+                dq[:, t0:t1] = dq_c
             # slot (b, t, g*nh + hb, j) adds to kv row (b, idx[b, t, g, j], g); padding slots (the
             # sentinel index n_kv) get key n_rows, which drops them (no host sync in the sum)
             key = torch.where(idx_c < n_kv, (b_off + idx_c.long()) * G + g_off, n_rows)
