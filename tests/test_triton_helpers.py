@@ -44,6 +44,20 @@ for N, R, D in [(1000, 37, 576), (5, 3, 70), (64, 1, 64)]:
     segment_sum_rows(c, k[keep], ref, src=keep.nonzero().squeeze(1))
     assert torch.equal(got, ref), (N, R, D)
     torch.testing.assert_close(got.double(), out.double().index_add(0, k[keep], c[keep].double()), rtol=1e-5, atol=1e-4)
+# int32 keys sort to the same order as int64 ones; 64-column programs sum the same values (their
+# reduction tree may differ); rows no entry names are left alone (-0.0 would become +0.0 on a
+# read-add-write)
+c = torch.randn(700, 576, generator=g); k = torch.randint(0, 41, (700,), generator=g)
+k[k == 5] = 40  # row 5: no entry
+out = torch.randn(40, 576, generator=g); out[5] = -0.0
+a, b, d = out.clone(), out.clone(), out.clone()
+segment_sum_rows(c, k, a, n_keys=40)
+segment_sum_rows(c, k.to(torch.int32), b, n_keys=40)
+segment_sum_rows(c, k, d, n_keys=40, block_d=64, block_p=16)
+assert torch.equal(a, b)
+assert torch.signbit(a[5]).all() and torch.signbit(d[5]).all()
+torch.testing.assert_close(d, a, rtol=1e-5, atol=1e-4)
+torch.testing.assert_close(a.double(), out.double().index_add(0, k[k < 40], c[k < 40].double()), rtol=1e-5, atol=1e-4)
 try:
     segment_sum_rows(c, k, torch.zeros(R + 1, D), n_keys=R)
     raise SystemExit("n_keys != out rows accepted")

@@ -652,8 +652,9 @@ class TileLangBackend:
         dev = qp.device
         if ws and self.chunk_whole_waves:
             rows = _whole_waves(rows, B * G * nh, torch.cuda.get_device_properties(dev).multi_processor_count)
-        b_off = (torch.arange(B, device=dev) * kv_k.shape[1]).view(B, 1, 1, 1)
-        g_off = torch.arange(G, device=dev).view(1, 1, G, 1)
+        key_dtype = torch.int32 if n_rows < 2**31 else torch.int64  # (int32: the sort's radix passes halve)
+        b_off = (torch.arange(B, device=dev, dtype=key_dtype) * kv_k.shape[1]).view(B, 1, 1, 1)
+        g_off = torch.arange(G, device=dev, dtype=key_dtype).view(1, 1, G, 1)
         # one slot buffer for every chunk (under torch's deterministic algorithms each torch.empty
         # is filled; the kernels leave padding slots unwritten and the sum never reads them)
         slot_buf = torch.empty(B * min(rows, T) * G * nh * K * Dqk, dtype=torch.float32, device=dev)
@@ -671,7 +672,7 @@ class TileLangBackend:
                 dq[:, t0:t1] = dq_c
             # slot (b, t, g*nh + hb, j) adds to kv row (b, idx[b, t, g, j], g); padding slots (the
             # sentinel index n_kv) get key n_rows, which drops them (no host sync in the sum)
-            key = torch.where(idx_c < n_kv, (b_off + idx_c.long()) * G + g_off, n_rows)
+            key = torch.where(idx_c < n_kv, (b_off + idx_c.to(key_dtype)) * G + g_off, n_rows)
             key = key.unsqueeze(3).expand(B, t1 - t0, G, nh, K).reshape(-1)
             segment_sum_rows(slots.view(-1, Dqk), key, dkv, n_keys=n_rows)
         return dq, dkv.view(B, kv_k.shape[1], G, Dqk), ws and T > 0
