@@ -717,15 +717,24 @@ def test_device_side_forward_repair(tmp_path, H):
     reset_guard_stats()
 
 
-@pytest.mark.parametrize("H,G", [(64, 1), (128, 1), (16, 2)])
-def test_deterministic_backward_is_bitwise_reproducible_and_exact(H, G):
+@pytest.mark.parametrize("H,G,R", [(64, 1, 1), (128, 1, 1), (16, 2, 8), (16, 1, 4), (8, 1, 8), (16, 2, 1)])
+def test_deterministic_backward_is_bitwise_reproducible_and_exact(H, G, R):
     """deterministic=True: 20 backward runs give bitwise identical dq/dkv, equal to the reference;
-    a small slot buffer forces several row chunks."""
+    a small slot buffer forces several row chunks. R > 1: row groups (one contribution per entry of
+    a group's key list), R = 1 below 64 heads: one-row blocks (row_groups=False)."""
     from glm5_dsa_plugin.ops import backends
     from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
 
-    backends.register_backend("tilelang_small_chunks", lambda: TileLangBackend(slot_buffer_bytes=64 << 20),
-                              replace=True)
+    seen = []
+
+    class Recording(TileLangBackend):
+        def _backward_deterministic(self, qp, kv_k, dop, lists, *args, **kwargs):
+            seen.append(lists[0])
+            return super()._backward_deterministic(qp, kv_k, dop, lists, *args, **kwargs)
+
+    groups = "auto" if H // G >= 64 else R > 1
+    backends.register_backend("tilelang_small_chunks",
+                              lambda: Recording(slot_buffer_bytes=64 << 20, row_groups=groups), replace=True)
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, K = 1024, 512
     idx = w2_indices(T, K, gen).expand(T, G, K).contiguous()  # [T, 1, K] -> every group
@@ -742,6 +751,7 @@ def test_deterministic_backward_is_bitwise_reproducible_and_exact(H, G):
     r_dq, r_dkv = ref.backward(q.detach().float()[None], kv.detach().float()[None], idx[None], g.float()[None],
                                SCALE, 512)
     assert rel_l2(runs[0][0], r_dq[0]) < 3e-3 and rel_l2(runs[0][1], r_dkv[0]) < 3e-3
+    assert seen == [R] * 20
     backends.unregister_backend("tilelang_small_chunks")
 
 

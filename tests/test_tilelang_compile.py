@@ -100,8 +100,29 @@ def test_deterministic_warp_specialised_backward_stores_each_slot():
     at = [i for i, ln in enumerate(lines) if "*(float4*)(dKV + " in ln]
     assert len(at) == 2 and all("if ((0 <= key_" in lines[i - 1] for i in at)  # only valid slots are stored
     assert _requested_dyn_smem(per_slot) == _requested_dyn_smem(atomic) <= HOPPER_MAX_DYN_SMEM
-    with pytest.raises(AssertionError, match="one row per block"):
-        sparse_mla_bwd_ws_kernel(16, 512, 64, 2048, 1, 256**-0.5, rows_per_block=4, target=SM90A, dkv_per_slot=True)
+
+
+def test_deterministic_row_group_backward_stores_each_group_entry():
+    """Row groups (16 heads, R = 4) in deterministic mode: the per-slot warp-specialised backward
+    stores each valid entry of a group's list (R * topk = 8192 entries of 576 floats per group
+    and head tile) under the same valid-entry test, without atomics; the same shared memory as the
+    atomic row-group kernel."""
+    import re
+
+    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+
+    per_slot = sparse_mla_bwd_ws_kernel(16, 512, 64, 2048, 1, 256**-0.5, rows_per_block=4, target=SM90A,
+                                        dkv_per_slot=True)
+    atomic = sparse_mla_bwd_ws_kernel(16, 512, 64, 2048, 1, 256**-0.5, rows_per_block=4, target=SM90A)
+    src = per_slot.get_kernel_source()
+    assert "AtomicAdd" not in src and "AtomicAddx4" in atomic.get_kernel_source()
+    stores = re.findall(r"\*\(float4\*\)\(dKV \+ [^;]*\) = \*\(float4\*\)\(\(\(float\*\)ch_s[01]\)", src)
+    assert len(stores) == 2, stores
+    assert all("(int64_t)576)" in st and "(int64_t)4718592)" in st for st in stores)  # 8192 x 576 per tile
+    lines = src.splitlines()
+    at = [i for i, ln in enumerate(lines) if "*(float4*)(dKV + " in ln]
+    assert len(at) == 2 and all("if ((0 <= key_" in lines[i - 1] for i in at)
+    assert _requested_dyn_smem(per_slot) == _requested_dyn_smem(atomic) <= HOPPER_MAX_DYN_SMEM
 
 
 def test_unsupported_split_rejected_before_compiling():

@@ -433,7 +433,8 @@ def check(B):
     for rows_fit, expect in ((2, [2, 2, 2, 2, 2, 1]), (4, [3, 3, 3, 2]), (7, [6, 5]), (40, [11])):
         chunks.clear()
         be = TileLangBackend(deterministic=True, slot_buffer_bytes=rows_fit * per_row)
-        dq, dkv, tested = be._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, HG, 0.1, 512)
+        dq, dkv, tested = be._backward_deterministic(qp, kv_k, dop, (1, idx, idx, extent), lsep, outp, G, HG, 0.1,
+                                                     512)
         assert chunks == expect, (B, rows_fit, chunks)
         assert tested and bool(torch.isfinite(dkv).all()), (B, rows_fit)
         torch.testing.assert_close(dkv.double().view(-1, D), want, rtol=1e-5, atol=1e-5)
@@ -441,13 +442,63 @@ def check(B):
 
 check(1)
 check(2)
+
+# row groups (R = 4 rows of 16 heads per block): one contribution per entry of each group's key list,
+# chunks of whole groups, the kernel handed the chunk's lists and rows
+def check_groups(B, R=4):
+    hg, NG = 64 // R, -(-T // R)
+    g = torch.Generator().manual_seed(10 + B)
+    keys = torch.randint(0, n_kv + 1, (B, NG, G, R * K), generator=g, dtype=torch.int32)
+    members = torch.randint(1, 16, (B, NG, G, R * K), generator=g, dtype=torch.uint8)
+    ext = torch.randint(0, R * K + 1, (B, NG, G), generator=g, dtype=torch.int32)
+    value = torch.randn(B, NG, G, R * K, D, generator=g, dtype=torch.float64)
+    chunks = []
+
+    def fake_builder(*args, **kwargs):
+        assert kwargs.get("dkv_per_slot") and kwargs.get("rows_per_block") == R and args[3] == K
+        def kernel(q, kv_k, dO, ind, lse, out, extent, mem, dq, slots, *flag):
+            t0 = int(q[0, 0, 0, 0].item())
+            n0, n = t0 // R, slots.shape[1]
+            assert t0 % R == 0 and q.shape[1] == dq.shape[1] == lse.shape[1] == min(T, (n0 + n) * R) - t0
+            assert torch.equal(ind, keys[:, n0:n0 + n]) and torch.equal(mem, members[:, n0:n0 + n])
+            assert torch.equal(extent, ext[:, n0:n0 + n]) and slots.shape == (B, n, G, R * K, D)
+            chunks.append(n)
+            v = value[:, n0:n0 + n].clone()
+            v[ind >= n_kv] = float("nan")
+            slots.copy_(v.float())
+            dq.copy_((torch.arange(dq.shape[1]) + t0 + 1).view(1, -1, 1, 1).expand_as(dq))
+        return kernel
+
+    tk.sparse_mla_bwd_ws_kernel = fake_builder
+    qp = torch.zeros(B, T, G * hg, D, dtype=torch.bfloat16)
+    qp[:, :, 0, 0] = torch.arange(T, dtype=torch.bfloat16)
+    kv_k = torch.zeros(B, n_kv + 1, G, D, dtype=torch.bfloat16)
+    dop = outp = torch.zeros(B, T, G * hg, 512, dtype=torch.bfloat16)
+    lsep = torch.zeros(B, T, G * hg)
+    want = torch.zeros(B * (n_kv + 1) * G, D, dtype=torch.float64)
+    for b, n, gg, j in (keys < n_kv).nonzero().tolist():
+        want[(b * (n_kv + 1) + keys[b, n, gg, j]) * G + gg] += value[b, n, gg, j]
+    per_group = B * G * R * K * D * 4
+    for fit, expect in ((1, [1, 1, 1]), (2, [2, 1]), (40, [3])):
+        chunks.clear()
+        be = TileLangBackend(deterministic=True, slot_buffer_bytes=fit * per_group)
+        dq, dkv, tested = be._backward_deterministic(qp, kv_k, dop, (R, keys, members, ext), lsep, outp, G, hg,
+                                                     0.1, 512)
+        assert chunks == expect, (B, fit, chunks)
+        assert tested and bool(torch.isfinite(dkv).all()), (B, fit)
+        torch.testing.assert_close(dkv.double().view(-1, D), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(dq, (torch.arange(T) + 1).view(1, T, 1, 1).expand_as(dq).to(dq.dtype)), (B, fit)
+
+check_groups(1)
+check_groups(2)
 print("OK")
 """
 
 
 def test_deterministic_backward_sums_each_valid_slot_once_per_chunking():
     """The deterministic chunk loop on CPU (Triton interpreter for the segment sum, a stand-in for
-    the TileLang kernel): B = 1 and 2, G = 2, two head tiles per group; the kv rows' sums equal a
-    float64 index_add over the valid slots whatever the chunk size, padding slots (NaN) are never
-    read, dq lands on its rows, and chunks are whole waves of the (here 3) SMs."""
+    the TileLang kernel): B = 1 and 2, G = 2, two head tiles per group, and row groups (R = 4);
+    the kv rows' sums equal a float64 index_add over the valid slots (group entries) whatever the
+    chunk size, padding slots (NaN) are never read, dq lands on its rows, and chunks are whole
+    waves of the (here 3) SMs."""
     run_interpreted(DETERMINISTIC_CHUNKS)

@@ -283,7 +283,8 @@ class TileLangBackend:
         self.fwd_min_heads = fwd_min_heads
         # fewer than 64 heads per kv group: blocks of R = 64 / hg consecutive query rows over the
         # union of their keys (``row_groups``: always, never, or "auto": per shape, from the last
-        # counted call's entries vs slots, see _RowGroupChoice); not with deterministic or safe=False
+        # counted call's entries vs slots, see _RowGroupChoice); not with safe=False, nor in
+        # deterministic mode without the warp-specialised backward (its per-entry dKV stores)
         self.row_groups = row_groups
         self._row_group_choice: dict[tuple, _RowGroupChoice] = {}
         # the warp-specialised forward (``sparse_mla_fwd_ws_kernel``: gathers in flight while two
@@ -412,7 +413,8 @@ class TileLangBackend:
         """(padded heads per group, R) of the row-group kernels: R > 1 consecutive query rows share a
         block when hg < 64 and ``row_groups`` is on (hg padded to 8, 16 or 32; R * hg_pad = 64,
         see ``row_groups.group_keys``), else R = 1 (one-row blocks)."""
-        if not self.row_groups or hg >= 64 or self.deterministic or not self.safe:
+        if (not self.row_groups or hg >= 64 or not self.safe
+                or (self.deterministic and not self.bwd_warp_specialized)):
             return padded_heads_per_group(hg, self.fwd_min_heads), 1
         hg_pad = padded_heads_per_group(hg, 8)
         return hg_pad, 64 // hg_pad
@@ -600,8 +602,8 @@ class TileLangBackend:
         B, T, Hp, Dqk = qp.shape
         dq_checked = False  # whether the kernel tested dq itself (the warp-specialised one)
         if self.deterministic:
-            dq, dkv, dq_checked = self._backward_deterministic(qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad,
-                                                               sm_scale, d_v, nonfinite_flag)
+            dq, dkv, dq_checked = self._backward_deterministic(qp, kv_k, dop, (R, keys, members, ext), lsep, outp,
+                                                               G, hg_pad, sm_scale, d_v, nonfinite_flag)
         else:
             k_pad = padded_topk(idx.shape[-1])  # (the caller's indices may be unpadded: row groups)
             ws = self._warp_specialized(hg_pad, R > 1, backward=True)
@@ -623,56 +625,68 @@ class TileLangBackend:
     # _whole_waves; False: as many rows as slot_buffer_bytes allows)
     chunk_whole_waves = True
 
-    def _backward_deterministic(self, qp, kv_k, dop, idx, lsep, outp, extent, G, hg_pad, sm_scale, d_v,
+    def _backward_deterministic(self, qp, kv_k, dop, lists, lsep, outp, G, hg_pad, sm_scale, d_v,
                                 nonfinite_flag=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """dq as usual (one block per query row, no atomics); dkv from per-slot contributions summed
-        per kv row by ``segment_sum_rows`` in slot order, chunk after chunk of query rows.
-        64-row head tiles run the warp-specialised kernel (its drain stores each valid slot's
-        contribution instead of adding it; it tests dq itself and sets ``nonfinite_flag``), others
-        the single-warpgroup one. -> (dq, dkv fp32 with the sentinel row, whether dq was tested)."""
-        from .tilelang_kernels import head_block, sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
+        """dq as usual (no atomics); dkv from per-slot contributions summed per kv row by
+        ``segment_sum_rows`` in slot order, chunk after chunk of query rows (row groups: of groups).
+        ``lists`` = ``_kernel_lists``' (R, keys, members, extent): one-row blocks (R = 1, keys the
+        prepared indices) or row groups (keys [B, NG, G, R * topk], one contribution per entry of a
+        group's list: at W2 H8 256 entries per row instead of 1536 slots). 64-row head tiles run
+        the warp-specialised kernel (its drain stores each valid slot's contribution instead of
+        adding it; it tests dq itself and sets ``nonfinite_flag``), others the single-warpgroup one.
+        -> (dq, dkv fp32 with the sentinel row, whether dq was tested)."""
+        from .tilelang_kernels import row_group_geometry, sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
         from .triton_helpers import segment_sum_rows
 
         if not self.safe:
             raise ValueError("deterministic mode needs safe=True (host-rewritten indices)")
+        R, keys, members, ext = lists
         B, T, Hp, Dqk = qp.shape
-        K, n_kv = idx.shape[-1], kv_k.shape[1] - 1
-        nh = hg_pad // head_block(hg_pad)
-        ws = self.bwd_warp_specialized and hg_pad >= 64
+        K, n_kv = keys.shape[-1], kv_k.shape[1] - 1  # K: slots per block's list (R * padded topk)
+        h_blk, nh = row_group_geometry(hg_pad, R)
+        ws = self.bwd_warp_specialized and h_blk >= 64
         if ws:
-            kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), dkv_per_slot=True)
+            kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, K // R, G, float(sm_scale), rows_per_block=R,
+                                              dkv_per_slot=True)
             flag = (self._ws_backward_flag(qp.device, nonfinite_flag),)
-        else:
+        elif R == 1:
             kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), self.safe, dkv_per_slot=True)
             flag = ()
+        else:  # (rows_per_block keeps row groups off in deterministic mode without the ws backward)
+            raise ValueError("deterministic row groups need the warp-specialised backward")
         dq = torch.empty_like(qp)
         n_rows = B * kv_k.shape[1] * G
         dkv = torch.zeros(n_rows, Dqk, dtype=torch.float32, device=qp.device)
-        rows = max(1, self.slot_buffer_bytes // (B * G * nh * K * Dqk * 4))
+        n_blocks = keys.shape[1]  # query rows (R = 1) or groups of R rows
+        per_block = B * G * nh * K * Dqk * 4
+        blocks = max(1, self.slot_buffer_bytes // per_block)
         dev = qp.device
         if ws and self.chunk_whole_waves:
-            rows = _whole_waves(rows, B * G * nh, torch.cuda.get_device_properties(dev).multi_processor_count)
+            blocks = _whole_waves(blocks, B * G * nh, torch.cuda.get_device_properties(dev).multi_processor_count)
         key_dtype = torch.int32 if n_rows < 2**31 else torch.int64  # (int32: the sort's radix passes halve)
         b_off = (torch.arange(B, device=dev, dtype=key_dtype) * kv_k.shape[1]).view(B, 1, 1, 1)
         g_off = torch.arange(G, device=dev, dtype=key_dtype).view(1, 1, G, 1)
+        # slot (b, n, g*nh + hb, j) adds to kv row (b, keys[b, n, g, j], g); padding slots (the
+        # sentinel index n_kv) get key n_rows, which drops them (no host sync in the sum). Built once
+        # for every chunk: the host's launches per chunk are what small-H calls wait for.
+        key_all = torch.where(keys < n_kv, (b_off + keys.to(key_dtype)) * G + g_off, n_rows)
         # one slot buffer for every chunk (under torch's deterministic algorithms each torch.empty
         # is filled; the kernels leave padding slots unwritten and the sum never reads them)
-        slot_buf = torch.empty(B * min(rows, T) * G * nh * K * Dqk, dtype=torch.float32, device=dev)
-        for t0 in range(0, T, rows):
-            t1 = min(T, t0 + rows)
-            part = lambda x: x[:, t0:t1].contiguous()  # noqa: E731
-            idx_c = part(idx)
-            slots = slot_buf[: B * (t1 - t0) * G * nh * K * Dqk].view(B, t1 - t0, G * nh, K, Dqk)
+        slot_buf = torch.empty(B * min(blocks, n_blocks) * G * nh * K * Dqk, dtype=torch.float32, device=dev)
+        for n0 in range(0, n_blocks, blocks):
+            n1 = min(n_blocks, n0 + blocks)
+            t0, t1 = n0 * R, min(T, n1 * R)
+            rows = lambda x: x[:, t0:t1].contiguous()  # noqa: E731
+            lists_c = [x[:, n0:n1].contiguous() for x in (keys, members, ext)]
+            slots = slot_buf[: B * (n1 - n0) * G * nh * K * Dqk].view(B, n1 - n0, G * nh, K, Dqk)
             dq_c = dq[:, t0:t1]  # written in place where contiguous (B = 1), else through a copy
             direct = dq_c.is_contiguous()
             if not direct:
                 dq_c = torch.empty(B, t1 - t0, Hp, Dqk, dtype=qp.dtype, device=dev)
-            kernel(part(qp), kv_k, part(dop), idx_c, part(lsep), part(outp), part(extent), idx_c, dq_c, slots, *flag)
+            kernel(rows(qp), kv_k, rows(dop), lists_c[0], rows(lsep), rows(outp), lists_c[2], lists_c[1], dq_c, slots,
+                   *flag)
             if not direct:
                 dq[:, t0:t1] = dq_c
-            # slot (b, t, g*nh + hb, j) adds to kv row (b, idx[b, t, g, j], g); padding slots (the
-            # sentinel index n_kv) get key n_rows, which drops them (no host sync in the sum)
-            key = torch.where(idx_c < n_kv, (b_off + idx_c.to(key_dtype)) * G + g_off, n_rows)
-            key = key.unsqueeze(3).expand(B, t1 - t0, G, nh, K).reshape(-1)
+            key = key_all[:, n0:n1].unsqueeze(3).expand(B, n1 - n0, G, nh, K).reshape(-1)
             segment_sum_rows(slots.view(-1, Dqk), key, dkv, n_keys=n_rows)
         return dq, dkv.view(B, kv_k.shape[1], G, Dqk), ws and T > 0

@@ -964,10 +964,11 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                              mma_regs=216, producer_regs=72, dkv_per_slot=False):
     """Warp-specialised backward for 64-row tiles; the same tensors and results as
     ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV), plus ``Flags`` (set when dq holds NaN /
-    inf). 384 threads in three warpgroups. ``dkv_per_slot`` (deterministic mode, one row per
-    block): no atomics; dKV is [B, T, G * nh, topk, Dqk] fp32 and receives each valid slot's
-    contribution (the drain stores the staged chunk rows; slots past a row's last valid one, and
-    padding slots, are not written), as ``sparse_mla_bwd_kernel(dkv_per_slot=True)`` lays it out.
+    inf). 384 threads in three warpgroups. ``dkv_per_slot`` (deterministic mode): no atomics; dKV
+    is [B, T, G * nh, topk, Dqk] fp32 (R = 1, as ``sparse_mla_bwd_kernel(dkv_per_slot=True)`` lays
+    it out) or [B, NG, G, R * topk, Dqk] (row groups: one entry per key of the group's list, the
+    sum over its member rows) and receives each valid slot's contribution (the drain stores the
+    staged chunk rows; slots past a row's last valid one, and padding slots, are not written).
 
     Per 32-slot block, the two MMA warpgroups split the score side: warpgroup 0 computes
     S = Q K^T and P, warpgroup 1 dP = dO V^T and then dS from P (handed over in fp32 through
@@ -995,7 +996,6 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     two, dP and the deferred tail chunk) share one wgmma wait (alone: within noise)."""
     R = rows_per_block
     assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
-    assert R == 1 or not dkv_per_slot, "per-slot dKV: one row per block"
     hg = heads // kv_group
     h_blk, nh = row_group_geometry(hg, R)
     assert h_blk == 64, "the warp-specialised backward runs 64-row tiles"
@@ -1019,7 +1019,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     NG = S if R == 1 else T.dynamic("row_groups")
     n_kv = SKV1 - 1
     load_rows, load_lse, attends = _row_group_access(R, hg)
-    dkv_shape = [B, S, kv_group * nh, K, D + DT] if dkv_per_slot else [B, SKV1, kv_group, D + DT]
+    dkv_shape = [B, NG, kv_group * nh, K, D + DT] if dkv_per_slot else [B, SKV1, kv_group, D + DT]
 
     @T.macro
     def gather(w, blk):
