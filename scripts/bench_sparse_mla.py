@@ -111,7 +111,7 @@ def prebuild(impls, heads, extras=True):
 
     jobs = [(n, H) for n in impls if n != "reference" for H in heads if not (n == "ours_r1" and H >= 64)]
     jobs += [("bucket_plan", 64)] if "ours_classic" in impls and 64 in heads else []
-    jobs += [("deterministic", 64), ("unsafe", 64)] if extras else []
+    jobs += [("deterministic", 64), ("deterministic", 16), ("deterministic", 8), ("unsafe", 64)] if extras else []
     t0 = time.time()
     with ThreadPoolExecutor(len(jobs)) as pool:
         list(pool.map(run, jobs))
@@ -479,16 +479,17 @@ def main():
             extra["W2_H64_fwd_bwd_ms_deterministic"] = bench(lambda: step_det(keep=False), 5, 20)
             # its GPU time by kernel (the sum, the sort)
             record_gpu_idle(extra, lambda: step_det(keep=False), "W2_H64_deterministic")
-            # at 16 heads (the one-row single-warpgroup kernel: row groups are off in deterministic mode)
-            q16 = torch.randn(4096, 16, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            grad16 = torch.randn(4096, 16, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
+            # at 16 and 8 heads (row groups: one contribution per entry of a group's key list)
+            for h in (16, 8):
+                qh = torch.randn(4096, h, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                gh = torch.randn(4096, h, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
 
-            def step16_det():
-                q16.grad = kv.grad = None
-                sparse_mla(q16, kv, idx, SCALE, d_v=D_V, backend="tilelang", deterministic=True)[0].backward(grad16)
+                def step_small_det():
+                    qh.grad = kv.grad = None
+                    sparse_mla(qh, kv, idx, SCALE, d_v=D_V, backend="tilelang", deterministic=True)[0].backward(gh)
 
-            extra["W2_H16_fwd_bwd_ms_deterministic"] = bench(step16_det, 5, 20)
-            del q16, grad16
+                extra[f"W2_H{h}_fwd_bwd_ms_deterministic"] = bench(step_small_det, 5, 20)
+                del qh, gh
         except Exception as exc:  # noqa: BLE001
             extra["deterministic_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
 
