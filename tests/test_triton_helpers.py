@@ -329,8 +329,9 @@ def test_forward_launch_plans():
 
 
 def test_row_group_geometry_and_choice():
-    """Row groups: R = 64 / hg_pad rows per block for hg < 64 (hg padded to 8, 16, 32), one row
-    per block otherwise, when off, in deterministic mode or without the fixes. "auto" keeps row
+    """Row groups: R = 64 / hg_pad rows per block for hg < 64 (hg padded to 8, 16, 32), in
+    deterministic mode too; one row per block otherwise, when off, without the fixes, or in
+    deterministic mode without the warp-specialised backward (its per-entry stores). "auto" keeps row
     groups while ENTRY_COST x entries < slots (also where rows share few keys: W1-like counts),
     switches to one-row blocks otherwise (rows sharing no key), and counts a one-row shape again
     every REPROBE_CALLS calls."""
@@ -341,7 +342,9 @@ def test_row_group_geometry_and_choice():
     be = TileLangBackend()
     assert [be.rows_per_block(hg) for hg in (4, 8, 12, 16, 32, 64, 128)] == \
         [(8, 8), (8, 8), (16, 4), (16, 4), (32, 2), (64, 1), (128, 1)]
-    for off in (TileLangBackend(row_groups=False), be.deterministic_variant(), TileLangBackend(safe=False)):
+    assert be.deterministic_variant().rows_per_block(8) == (8, 8)
+    for off in (TileLangBackend(row_groups=False), TileLangBackend(bwd_warp_specialized=False).deterministic_variant(),
+                TileLangBackend(safe=False)):
         assert off.rows_per_block(8) == (16, 1)
     with pytest.raises(ValueError, match="row_groups"):
         TileLangBackend(row_groups="sometimes")
