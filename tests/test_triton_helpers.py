@@ -453,7 +453,9 @@ def check_groups(B, R=4):
     g = torch.Generator().manual_seed(10 + B)
     keys = torch.randint(0, n_kv + 1, (B, NG, G, R * K), generator=g, dtype=torch.int32)
     members = torch.randint(1, 16, (B, NG, G, R * K), generator=g, dtype=torch.uint8)
-    ext = torch.randint(0, R * K + 1, (B, NG, G), generator=g, dtype=torch.int32)
+    ext = torch.randint(0, R * K // 2 + 1, (B, NG, G), generator=g, dtype=torch.int32)
+    keys[torch.arange(R * K).view(1, 1, 1, -1) >= ext.unsqueeze(-1)] = n_kv  # (lists end at their extent)
+    KS = int(ext.max())  # the slot buffer's entries per group: the longest list, not R * K
     value = torch.randn(B, NG, G, R * K, D, generator=g, dtype=torch.float64)
     chunks = []
 
@@ -464,11 +466,11 @@ def check_groups(B, R=4):
             n0, n = t0 // R, slots.shape[1]
             assert t0 % R == 0 and q.shape[1] == dq.shape[1] == lse.shape[1] == min(T, (n0 + n) * R) - t0
             assert torch.equal(ind, keys[:, n0:n0 + n]) and torch.equal(mem, members[:, n0:n0 + n])
-            assert torch.equal(extent, ext[:, n0:n0 + n]) and slots.shape == (B, n, G, R * K, D)
+            assert torch.equal(extent, ext[:, n0:n0 + n]) and slots.shape == (B, n, G, KS, D) and KS < R * K
             chunks.append(n)
             v = value[:, n0:n0 + n].clone()
             v[ind >= n_kv] = float("nan")
-            slots.copy_(v.float())
+            slots.copy_(v[..., :KS, :].float())
             dq.copy_((torch.arange(dq.shape[1]) + t0 + 1).view(1, -1, 1, 1).expand_as(dq))
         return kernel
 
@@ -481,7 +483,7 @@ def check_groups(B, R=4):
     want = torch.zeros(B * (n_kv + 1) * G, D, dtype=torch.float64)
     for b, n, gg, j in (keys < n_kv).nonzero().tolist():
         want[(b * (n_kv + 1) + keys[b, n, gg, j]) * G + gg] += value[b, n, gg, j]
-    per_group = B * G * R * K * D * 4
+    per_group = B * G * KS * D * 4
     for fit, expect in ((1, [1, 1, 1]), (2, [2, 1]), (40, [3])):
         chunks.clear()
         be = TileLangBackend(deterministic=True, slot_buffer_bytes=fit * per_group)

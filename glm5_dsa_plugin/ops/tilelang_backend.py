@@ -624,6 +624,9 @@ class TileLangBackend:
     # deterministic mode's row chunks as whole waves of the warp-specialised kernel (see
     # _whole_waves; False: as many rows as slot_buffer_bytes allows)
     chunk_whole_waves = True
+    # row groups' slot buffer holds the longest list per group (one host read per call; False: the
+    # full R * topk width, as v29)
+    compact_group_slots = True
 
     def _backward_deterministic(self, qp, kv_k, dop, lists, lsep, outp, G, hg_pad, sm_scale, d_v,
                                 nonfinite_flag=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -631,7 +634,8 @@ class TileLangBackend:
         ``segment_sum_rows`` in slot order, chunk after chunk of query rows (row groups: of groups).
         ``lists`` = ``_kernel_lists``' (R, keys, members, extent): one-row blocks (R = 1, keys the
         prepared indices) or row groups (keys [B, NG, G, R * topk], one contribution per entry of a
-        group's list: at W2 H8 256 entries per row instead of 1536 slots). 64-row head tiles run
+        group's list: at W2 H8 256 entries per row instead of 1536 slots; the slot buffer holds the
+        longest list's extent per group). 64-row head tiles run
         the warp-specialised kernel (its drain stores each valid slot's contribution instead of
         adding it; it tests dq itself and sets ``nonfinite_flag``), others the single-warpgroup one.
         -> (dq, dkv fp32 with the sentinel row, whether dq was tested)."""
@@ -658,7 +662,16 @@ class TileLangBackend:
         n_rows = B * kv_k.shape[1] * G
         dkv = torch.zeros(n_rows, Dqk, dtype=torch.float32, device=qp.device)
         n_blocks = keys.shape[1]  # query rows (R = 1) or groups of R rows
-        per_block = B * G * nh * K * Dqk * 4
+        if (R > 1 and n_blocks > 0 and self.compact_group_slots
+                and not (qp.is_cuda and torch.cuda.is_current_stream_capturing())):
+            # a group's list holds R * topk slots, mostly padding (W2 H8: about 2050 of 16384 used):
+            # the slot buffer keeps only the longest list's extent per group, read here (one host
+            # read per call; in CUDA graph capture the full width, so other chunks and bits). 2 GiB
+            # of full-width groups held 56 at W2 H8: chunks of under half a wave (exp75).
+            KS = max(1, int(ext.max()))
+        else:
+            KS = K  # slots per block in the slot buffer
+        per_block = B * G * nh * KS * Dqk * 4
         blocks = max(1, self.slot_buffer_bytes // per_block)
         dev = qp.device
         if ws and self.chunk_whole_waves:
@@ -672,13 +685,13 @@ class TileLangBackend:
         key_all = torch.where(keys < n_kv, (b_off + keys.to(key_dtype)) * G + g_off, n_rows)
         # one slot buffer for every chunk (under torch's deterministic algorithms each torch.empty
         # is filled; the kernels leave padding slots unwritten and the sum never reads them)
-        slot_buf = torch.empty(B * min(blocks, n_blocks) * G * nh * K * Dqk, dtype=torch.float32, device=dev)
+        slot_buf = torch.empty(B * min(blocks, n_blocks) * G * nh * KS * Dqk, dtype=torch.float32, device=dev)
         for n0 in range(0, n_blocks, blocks):
             n1 = min(n_blocks, n0 + blocks)
             t0, t1 = n0 * R, min(T, n1 * R)
             rows = lambda x: x[:, t0:t1].contiguous()  # noqa: E731
             lists_c = [x[:, n0:n1].contiguous() for x in (keys, members, ext)]
-            slots = slot_buf[: B * (n1 - n0) * G * nh * K * Dqk].view(B, n1 - n0, G * nh, K, Dqk)
+            slots = slot_buf[: B * (n1 - n0) * G * nh * KS * Dqk].view(B, n1 - n0, G * nh, KS, Dqk)
             dq_c = dq[:, t0:t1]  # written in place where contiguous (B = 1), else through a copy
             direct = dq_c.is_contiguous()
             if not direct:
@@ -687,6 +700,6 @@ class TileLangBackend:
                    *flag)
             if not direct:
                 dq[:, t0:t1] = dq_c
-            key = key_all[:, n0:n1].unsqueeze(3).expand(B, n1 - n0, G, nh, K).reshape(-1)
+            key = key_all[:, n0:n1, :, :KS].unsqueeze(3).expand(B, n1 - n0, G, nh, KS).reshape(-1)
             segment_sum_rows(slots.view(-1, Dqk), key, dkv, n_keys=n_rows)
         return dq, dkv.view(B, kv_k.shape[1], G, Dqk), ws and T > 0

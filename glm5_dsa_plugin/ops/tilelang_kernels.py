@@ -966,9 +966,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV), plus ``Flags`` (set when dq holds NaN /
     inf). 384 threads in three warpgroups. ``dkv_per_slot`` (deterministic mode): no atomics; dKV
     is [B, T, G * nh, topk, Dqk] fp32 (R = 1, as ``sparse_mla_bwd_kernel(dkv_per_slot=True)`` lays
-    it out) or [B, NG, G, R * topk, Dqk] (row groups: one entry per key of the group's list, the
-    sum over its member rows) and receives each valid slot's contribution (the drain stores the
-    staged chunk rows; slots past a row's last valid one, and padding slots, are not written).
+    it out) or [B, NG, G, KS, Dqk] (row groups: one entry per key of the group's list, the sum
+    over its member rows; KS, at least the longest list's extent, is the caller's) and receives
+    each valid slot's contribution (the drain stores the staged chunk rows; slots past a row's
+    (group's) last valid one, and padding slots, are not written).
 
     Per 32-slot block, the two MMA warpgroups split the score side: warpgroup 0 computes
     S = Q K^T and P, warpgroup 1 dP = dO V^T and then dS from P (handed over in fp32 through
@@ -1019,7 +1020,9 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     NG = S if R == 1 else T.dynamic("row_groups")
     n_kv = SKV1 - 1
     load_rows, load_lse, attends = _row_group_access(R, hg)
-    dkv_shape = [B, NG, kv_group * nh, K, D + DT] if dkv_per_slot else [B, SKV1, kv_group, D + DT]
+    # row groups' per-entry dKV: slot_stride (>= the longest list) entries per group, not R * topk
+    KS = T.dynamic("slot_stride") if R > 1 else K
+    dkv_shape = [B, NG, kv_group * nh, KS, D + DT] if dkv_per_slot else [B, SKV1, kv_group, D + DT]
 
     @T.macro
     def gather(w, blk):
