@@ -635,10 +635,10 @@ class TileLangBackend:
         ``lists`` = ``_kernel_lists``' (R, keys, members, extent): one-row blocks (R = 1, keys the
         prepared indices) or row groups (keys [B, NG, G, R * topk], one contribution per entry of a
         group's list: at W2 H8 256 entries per row instead of 1536 slots; the slot buffer holds the
-        longest list's extent per group). 64-row head tiles run
-        the warp-specialised kernel (its drain stores each valid slot's contribution instead of
-        adding it; it tests dq itself and sets ``nonfinite_flag``), others the single-warpgroup one.
-        -> (dq, dkv fp32 with the sentinel row, whether dq was tested)."""
+        longest list's extent per group). 64-row head tiles run the warp-specialised kernel (its
+        drain stores each valid slot's contribution instead of adding it; it tests dq itself and
+        sets ``nonfinite_flag``), others the single-warpgroup one. -> (dq, dkv fp32 with the
+        sentinel row, whether dq was tested)."""
         from .tilelang_kernels import row_group_geometry, sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
         from .triton_helpers import segment_sum_rows
 

@@ -966,7 +966,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV), plus ``Flags`` (set when dq holds NaN /
     inf). 384 threads in three warpgroups. ``dkv_per_slot`` (deterministic mode): no atomics; dKV
     is [B, T, G * nh, topk, Dqk] fp32 (R = 1, as ``sparse_mla_bwd_kernel(dkv_per_slot=True)`` lays
-    it out) or [B, NG, G, KS, Dqk] (row groups: one entry per key of the group's list, the sum
+    it out) or [B, NG, G, KS, Dqk] (row groups, nh = 1: one entry per key of the group's list, the sum
     over its member rows; KS, at least the longest list's extent, is the caller's) and receives
     each valid slot's contribution (the drain stores the staged chunk rows; slots past a row's
     (group's) last valid one, and padding slots, are not written).
