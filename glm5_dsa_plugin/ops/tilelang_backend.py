@@ -504,10 +504,9 @@ class TileLangBackend:
 
     def _warp_specialized(self, hg_pad: int, row_groups: bool, backward: bool = False) -> bool:
         """Whether this direction runs its warp-specialised kernel (``sparse_mla_fwd_ws_kernel`` /
-        ``sparse_mla_bwd_ws_kernel``) with atomic dKV: 64-row tiles (>= 64 heads per group, or row
-        groups), safe mode, its flag on; not in deterministic mode (whose per-slot variant
-        ``_backward_deterministic`` chooses)."""
-        flag = self.bwd_warp_specialized and not self.deterministic if backward else self.fwd_warp_specialized
+        ``sparse_mla_bwd_ws_kernel``, atomic or, in deterministic mode, per-slot dKV): 64-row tiles
+        (>= 64 heads per group, or row groups), safe mode, its flag on."""
+        flag = self.bwd_warp_specialized if backward else self.fwd_warp_specialized
         return self.safe and flag and (row_groups or hg_pad >= 64)
 
     def _fwd_block(self, hg_pad: int) -> int:
@@ -647,8 +646,8 @@ class TileLangBackend:
         R, keys, members, ext = lists
         B, T, Hp, Dqk = qp.shape
         K, n_kv = keys.shape[-1], kv_k.shape[1] - 1  # K: slots per block's list (R * padded topk)
-        h_blk, nh = row_group_geometry(hg_pad, R)
-        ws = self.bwd_warp_specialized and h_blk >= 64
+        nh = row_group_geometry(hg_pad, R)[1]
+        ws = self._warp_specialized(hg_pad, R > 1, backward=True)
         if ws:
             kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, K // R, G, float(sm_scale), rows_per_block=R,
                                               dkv_per_slot=True)
@@ -682,7 +681,9 @@ class TileLangBackend:
         # slot (b, n, g*nh + hb, j) adds to kv row (b, keys[b, n, g, j], g); padding slots (the
         # sentinel index n_kv) get key n_rows, which drops them (no host sync in the sum). Built once
         # for every chunk: the host's launches per chunk are what small-H calls wait for.
-        key_all = torch.where(keys < n_kv, (b_off + keys.to(key_dtype)) * G + g_off, n_rows)
+        # (over the slot buffer's KS entries per block only: each chunk's slice then needs no copy)
+        lists_ks = keys[..., :KS]
+        key_all = torch.where(lists_ks < n_kv, (b_off + lists_ks.to(key_dtype)) * G + g_off, n_rows)
         # one slot buffer for every chunk (under torch's deterministic algorithms each torch.empty
         # is filled; the kernels leave padding slots unwritten and the sum never reads them)
         slot_buf = torch.empty(B * min(blocks, n_blocks) * G * nh * KS * Dqk, dtype=torch.float32, device=dev)
@@ -700,6 +701,6 @@ class TileLangBackend:
                    *flag)
             if not direct:
                 dq[:, t0:t1] = dq_c
-            key = key_all[:, n0:n1, :, :KS].unsqueeze(3).expand(B, n1 - n0, G, nh, KS).reshape(-1)
+            key = key_all[:, n0:n1].unsqueeze(3).expand(B, n1 - n0, G, nh, KS).reshape(-1)
             segment_sum_rows(slots.view(-1, Dqk), key, dkv, n_keys=n_rows)
         return dq, dkv.view(B, kv_k.shape[1], G, Dqk), ws and T > 0
