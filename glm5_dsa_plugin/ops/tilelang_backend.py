@@ -504,9 +504,10 @@ class TileLangBackend:
 
     def _warp_specialized(self, hg_pad: int, row_groups: bool, backward: bool = False) -> bool:
         """Whether this direction runs its warp-specialised kernel (``sparse_mla_fwd_ws_kernel`` /
-        ``sparse_mla_bwd_ws_kernel``, atomic or, in deterministic mode, per-slot dKV): 64-row tiles
-        (>= 64 heads per group, or row groups), safe mode, its flag on."""
-        flag = self.bwd_warp_specialized if backward else self.fwd_warp_specialized
+        ``sparse_mla_bwd_ws_kernel``) with atomic dKV: 64-row tiles (>= 64 heads per group, or row
+        groups), safe mode, its flag on; not in deterministic mode (whose per-slot variant
+        ``_backward_deterministic`` chooses)."""
+        flag = self.bwd_warp_specialized and not self.deterministic if backward else self.fwd_warp_specialized
         return self.safe and flag and (row_groups or hg_pad >= 64)
 
     def _fwd_block(self, hg_pad: int) -> int:
@@ -646,8 +647,8 @@ class TileLangBackend:
         R, keys, members, ext = lists
         B, T, Hp, Dqk = qp.shape
         K, n_kv = keys.shape[-1], kv_k.shape[1] - 1  # K: slots per block's list (R * padded topk)
-        nh = row_group_geometry(hg_pad, R)[1]
-        ws = self._warp_specialized(hg_pad, R > 1, backward=True)
+        h_blk, nh = row_group_geometry(hg_pad, R)
+        ws = self.bwd_warp_specialized and h_blk >= 64  # (safe mode checked above)
         if ws:
             kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, K // R, G, float(sm_scale), rows_per_block=R,
                                               dkv_per_slot=True)
