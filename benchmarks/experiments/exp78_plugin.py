@@ -1,4 +1,4 @@
-"""pytest plugin (session 27): runs the GPU suite with exp78_kernel's backward in place of the tree's;
+"""pytest plugin (session 27): runs the GPU suite with make_exp78.py's backward in place of the tree's;
 ``EXP78_REGS`` ("232,40" by default) sets its MMA / gather warpgroups' registers. Use
 ``PYTHONPATH=benchmarks/experiments python -m pytest -p exp78_plugin ...`` after make_exp78.py."""
 import functools

@@ -1,4 +1,4 @@
-"""pytest plugin (session 27): runs GPU tests with exp81_kernel's backward in place of the tree's;
+"""pytest plugin (session 27): runs GPU tests with make_exp81.py's backward in place of the tree's;
 ``EXP81_REGS`` ("240,24" by default) sets its MMA / gather-drain warpgroups' registers. Use
 ``PYTHONPATH=benchmarks/experiments python -m pytest -p exp81_plugin ...`` after make_exp81.py."""
 import functools

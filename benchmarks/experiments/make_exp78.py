@@ -4,22 +4,7 @@ by pair parity (see the module docstring it writes). Run from the repository roo
 from patching import replace_once
 
 src = open("benchmarks/experiments/exp77_kernel.py").read()
-src = replace_once(src, '''"""exp77 (session 27): the warp-specialised backward with dKV per pair of 32-slot blocks, not
-transposed, added from the MMA registers.
-
-The tree's kernel computes dKV^T per 32-slot block ([64 features, 32 slots] chunks, A = Q^T / dO^T
-read from shared memory for every block), stages each chunk in shared memory, and a third
-warpgroup drains the chunks with 16-byte atomics. Here P and dS of two consecutive blocks stay in
-[64 heads, 64 slots] buffers, and after the second block each MMA warpgroup computes its chunks as
-dKV[64 slots, 64 features] = dS^T Q[:, chunk] + P^T dO[:, chunk] (M = the pair's 64 slots), then
-adds the accumulator to global memory with 8-byte atomics straight from its registers (each thread
-holds column pairs of two slot rows). Per 32 slots: the A operands of the dKV GEMMs are read half
-as often (64 slots per read), the 74 KB of chunk stores and the drain's 74 KB of reads are gone,
-and the third warpgroup only gathers (40 registers; the MMA warpgroups get 232). An odd last block
-leaves the pair's second half stale: its slots are masked at the atomics (key -1).
-Same tensors and results as the tree's ``sparse_mla_bwd_ws_kernel`` (dq bitwise, dkv up to the
-atomics' order)."""
-''', '''"""exp78 (session 27): exp77's backward (dKV per pair of 32-slot blocks as [64 slots, 64 features]
+src = '''"""exp78 (session 27): exp77's backward (dKV per pair of 32-slot blocks as [64 slots, 64 features]
 chunks, atomics from the MMA registers, no staging, no drain) with pair i - 1's chunks spread over
 pair i: half of each warpgroup's chunks after each block's dQ GEMM, where the gather of the next
 block lands (exp77 ran a pair's chunks after its second block, so nothing hid the gather of the
@@ -27,7 +12,7 @@ pair's second block: 15-17% slower than the tree). P, dS and the keys are double
 parity (two [64, 64] bf16 tiles each: 219 KB in all); the pair loop is unrolled by two so every
 buffer choice is static. Warpgroup 1 still computes the rope-tail chunk of pair i - 1 between its
 dP GEMM and its wait for P of block 2i; the last pair's chunks run after the loop."""
-''')
+''' + src[src.index('from types import SimpleNamespace'):]
 src = replace_once(src, '''                             mma_regs=232, producer_regs=40, dkv_per_slot=False, skip_dkv_writes=False):
     """``skip_dkv_writes`` (exp79, an ablation: dkv comes out zero): the chunks' GEMMs run, their
     atomics / stores do not."""

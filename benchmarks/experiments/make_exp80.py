@@ -4,26 +4,11 @@ writes). Run from the repository root."""
 from patching import replace_once
 
 src = open("benchmarks/experiments/exp77_kernel.py").read()
-src = replace_once(src, '''"""exp77 (session 27): the warp-specialised backward with dKV per pair of 32-slot blocks, not
-transposed, added from the MMA registers.
-
-The tree's kernel computes dKV^T per 32-slot block ([64 features, 32 slots] chunks, A = Q^T / dO^T
-read from shared memory for every block), stages each chunk in shared memory, and a third
-warpgroup drains the chunks with 16-byte atomics. Here P and dS of two consecutive blocks stay in
-[64 heads, 64 slots] buffers, and after the second block each MMA warpgroup computes its chunks as
-dKV[64 slots, 64 features] = dS^T Q[:, chunk] + P^T dO[:, chunk] (M = the pair's 64 slots), then
-adds the accumulator to global memory with 8-byte atomics straight from its registers (each thread
-holds column pairs of two slot rows). Per 32 slots: the A operands of the dKV GEMMs are read half
-as often (64 slots per read), the 74 KB of chunk stores and the drain's 74 KB of reads are gone,
-and the third warpgroup only gathers (40 registers; the MMA warpgroups get 232). An odd last block
-leaves the pair's second half stale: its slots are masked at the atomics (key -1).
-Same tensors and results as the tree's ``sparse_mla_bwd_ws_kernel`` (dq bitwise, dkv up to the
-atomics' order)."""
-''', '''"""exp80 (session 27): exp77's backward with each warpgroup's dKV chunks software-pipelined: two
+src = '''"""exp80 (session 27): exp77's backward with each warpgroup's dKV chunks software-pipelined: two
 chunk accumulators, chunk k + 1's GEMMs issued before chunk k's atomics go out, so the tensor cores
 run while the atomics issue (exp79: without its atomics exp77 took 0.77x the tree's time, with them
 1.16x: the atomics from the MMA warps stalled them)."""
-''')
+''' + src[src.index('from types import SimpleNamespace'):]
 src = replace_once(src, '''    def add_chunk(w, c, col0, pair):
 ''', '''    def add_chunk(w, c, col0, pair, slot):
 ''')

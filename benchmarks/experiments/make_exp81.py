@@ -4,22 +4,7 @@ first half; see the module docstring it writes). Run from the repository root.""
 from patching import replace_once
 
 src = open("benchmarks/experiments/exp77_kernel.py").read()
-src = replace_once(src, '''"""exp77 (session 27): the warp-specialised backward with dKV per pair of 32-slot blocks, not
-transposed, added from the MMA registers.
-
-The tree's kernel computes dKV^T per 32-slot block ([64 features, 32 slots] chunks, A = Q^T / dO^T
-read from shared memory for every block), stages each chunk in shared memory, and a third
-warpgroup drains the chunks with 16-byte atomics. Here P and dS of two consecutive blocks stay in
-[64 heads, 64 slots] buffers, and after the second block each MMA warpgroup computes its chunks as
-dKV[64 slots, 64 features] = dS^T Q[:, chunk] + P^T dO[:, chunk] (M = the pair's 64 slots), then
-adds the accumulator to global memory with 8-byte atomics straight from its registers (each thread
-holds column pairs of two slot rows). Per 32 slots: the A operands of the dKV GEMMs are read half
-as often (64 slots per read), the 74 KB of chunk stores and the drain's 74 KB of reads are gone,
-and the third warpgroup only gathers (40 registers; the MMA warpgroups get 232). An odd last block
-leaves the pair's second half stale: its slots are masked at the atomics (key -1).
-Same tensors and results as the tree's ``sparse_mla_bwd_ws_kernel`` (dq bitwise, dkv up to the
-atomics' order)."""
-''', '''"""exp81 (session 27): exp77's pairs (dKV per pair of 32-slot blocks as [64 slots, 64 features]
+src = '''"""exp81 (session 27): exp77's pairs (dKV per pair of 32-slot blocks as [64 slots, 64 features]
 chunks, A = dS^T / P^T read once per 64 slots) with the tree's drain: each chunk is staged in shared
 memory in two halves of 32 slots ([32, 72] fp32 rows, non-transposed: the MMA warps' 8-byte stores
 fall in distinct banks) and the gather warpgroup adds them with 16-byte atomics, as the tree does
@@ -28,7 +13,7 @@ than the staging they save, 1.16x). The 37 KB of staging leave no room for the f
 buffer: P travels from warpgroup 0 to warpgroup 1 through warpgroup 0's first staging half
 ([64, 32] as P[h, j] at [h // 2, (h % 2) * 36 + j]), once the drain is done with it (the same wait
 as the next staging)."""
-''')
+''' + src[src.index('from types import SimpleNamespace'):]
 src = replace_once(src, '''                             mma_regs=232, producer_regs=40, dkv_per_slot=False, skip_dkv_writes=False):
     """``skip_dkv_writes`` (exp79, an ablation: dkv comes out zero): the chunks' GEMMs run, their
     atomics / stores do not."""
