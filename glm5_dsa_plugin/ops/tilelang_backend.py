@@ -692,14 +692,13 @@ class TileLangBackend:
             n1 = min(n_blocks, n0 + blocks)
             t0, t1 = n0 * R, min(T, n1 * R)
             rows = lambda x: x[:, t0:t1].contiguous()  # noqa: E731
-            lists_c = [x[:, n0:n1].contiguous() for x in (keys, members, ext)]
+            keys_c, members_c, ext_c = (x[:, n0:n1].contiguous() for x in (keys, members, ext))
             slots = slot_buf[: B * (n1 - n0) * G * nh * KS * Dqk].view(B, n1 - n0, G * nh, KS, Dqk)
             dq_c = dq[:, t0:t1]  # written in place where contiguous (B = 1), else through a copy
             direct = dq_c.is_contiguous()
             if not direct:
                 dq_c = torch.empty(B, t1 - t0, Hp, Dqk, dtype=qp.dtype, device=dev)
-            kernel(rows(qp), kv_k, rows(dop), lists_c[0], rows(lsep), rows(outp), lists_c[2], lists_c[1], dq_c, slots,
-                   *flag)
+            kernel(rows(qp), kv_k, rows(dop), keys_c, rows(lsep), rows(outp), ext_c, members_c, dq_c, slots, *flag)
             if not direct:
                 dq[:, t0:t1] = dq_c
             key = key_all[:, n0:n1].unsqueeze(3).expand(B, n1 - n0, G, nh, KS).reshape(-1)
