@@ -961,7 +961,7 @@ def sparse_mla_bwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
 
 @built_once
 def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda",
-                             mma_regs=216, producer_regs=72, dkv_per_slot=False):
+                             mma_regs=224, producer_regs=56, dkv_per_slot=False):
     """Warp-specialised backward for 64-row tiles; the same tensors and results as
     ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV), plus ``Flags`` (set when dq holds NaN /
     inf). 384 threads in three warpgroups. ``dkv_per_slot`` (deterministic mode): no atomics; dKV
@@ -983,9 +983,17 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     loop). Each chunk's [32 slots, 64] fp32 rows go to one of the warpgroup's two chunk buffers,
     in the same order either way; warpgroup 2 drains them with vector fp32 atomics as they come,
     and gathers the next block's kv rows with cp.async as soon as the dQ MMAs are done with the
-    buffer. Shared memory: Q and dO (139 KB) + kv (37 KB) + chunk buffers (35 KB) + P (bf16 and
-    fp32), dS. Registers per thread: 216 / 216 / 72 (exp24: 4-5% faster than 232 / 232 / 40;
-    the drain's atomics and the gathers want more than 40). Prologue (nothing overlaps it: one
+    buffer. The chunks are software-pipelined: each MMA warpgroup has two chunk accumulators,
+    issues its first chunk right behind its dQ GEMMs and every next chunk before it stages the
+    previous one, so the staging stores run under GEMMs; and the warpgroups do not meet at the
+    end of a step: warpgroup 0 runs its next score GEMM and exp2 first and only then waits for
+    both to be done with the block's P / dS, which it is about to overwrite (session 28,
+    exp84-exp86: the staging stores and the atomics each cost about 1.2 ms of W2 H64's 7.2
+    (exp83); together 0.97x the time at W2 / W1 H64, 0.95x at H16, 0.93x at H8). Shared memory:
+    Q and dO (139 KB) + kv (37 KB) + chunk buffers (35 KB) + P (bf16 and fp32), dS. Registers
+    per thread: 224 / 224 / 56 (the second accumulators: at 216 ptxas serialises the wgmma, at
+    232 / 40 the drain starves, 1.5% slower; exp24: the drain's atomics and the gathers want
+    more than 40). Prologue (nothing overlaps it: one
     CTA per SM): block 0's gather is issued first, the Q / dO tiles load in 16-byte vectors
     (``vector_rows``), and Delta reads dO from its shared tile (exp47: together 6.4% off the W2
     H64 kernel, 4.9% at W1). R = 1 stores dq through the dead Q tile in 16-byte stores (exp49).
@@ -1055,40 +1063,53 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             T.barrier_arrive(bars[1])
 
     @T.macro
-    def stage_chunk(w, c, n):
-        # [64 features, BS slots] fp32 fragment -> chunk buffer n % 2 of warpgroup c as [slots, features]
+    def stage_chunk(w, c, acc_c, n):
+        # [64 features, BS slots] fp32 fragment acc_c -> chunk buffer n % 2 of warpgroup c as [slots, features]
         wait_chunk_buffer(w.ch_free[c], n, 1)
         for i, j in T.Parallel(64, BS):
-            w.ch_s[c][n % 2, j, i] = w.acc_t[c][i, j]
+            w.ch_s[c][n % 2, j, i] = acc_c[i, j]
         arrive_chunk_buffer(w.ch_full[c], n)
 
     @T.macro
-    def value_chunk(w, c, f, n):
-        # dKV^T[f * 64:(f + 1) * 64] = Q^T dS + dO^T P over this block's slots (one wgmma wait for both)
-        T.gemm(w.q_s[0:h_blk, f * 64:(f + 1) * 64], w.dp_s, w.acc_t[c], transpose_A=True,
+    def issue_chunk(w, f, acc_c):
+        # dKV^T[f * 64:(f + 1) * 64] = Q^T dS + dO^T P over this block's slots into acc_c: two wgmma
+        # groups, no wait
+        T.gemm(w.q_s[0:h_blk, f * 64:(f + 1) * 64], w.dp_s, acc_c, transpose_A=True,
                policy=T.GemmWarpPolicy.FullRow, clear_accum=True, annotations={"wg_wait": -1})
-        T.gemm(w.do_s[0:h_blk, f * 64:(f + 1) * 64], w.p_s, w.acc_t[c], transpose_A=True,
-               policy=T.GemmWarpPolicy.FullRow)
-        stage_chunk(w, c, n)
+        T.gemm(w.do_s[0:h_blk, f * 64:(f + 1) * 64], w.p_s, acc_c, transpose_A=True,
+               policy=T.GemmWarpPolicy.FullRow, annotations={"wg_wait": -1})
 
     @T.macro
-    def dkv_by_chunks(w, blk):
-        if w.tx < 128:
-            for k in T.unroll(N_OWN[0]):
-                value_chunk(w, 0, k, blk * N_OWN[0] + k)
+    def chunks_from(w, c, f0, n0, k, count, a, b):
+        # chunk k of count is in flight in accumulator a: issue chunk k + 1 into b, then wait for
+        # chunk k alone (k + 1's two groups run on) and stage it under k + 1's GEMMs (static recursion)
+        if k + 1 < count:
+            issue_chunk(w, f0 + k + 1, b)
+            T.wait_wgmma(2)
+            T.warpgroup_fence_operand(a, num_regs=64 * BS // 128)
+            stage_chunk(w, c, a, n0 + k)
+            chunks_from(w, c, f0, n0, k + 1, count, b, a)
         else:
-            for k in T.unroll(N_OWN[1] - 1):
-                value_chunk(w, 1, HALF + k, blk * N_OWN[1] + k)
-        # P and dS are rewritten by the next block: both warpgroups are done reading them
-        T.barrier_arrive(w.step_done)
-        T.barrier_wait(w.step_done, blk & 1)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(a, num_regs=64 * BS // 128)
+            stage_chunk(w, c, a, n0 + k)
+
+    @T.macro
+    def dkv_by_chunks(w, c, f0, count, n0):
+        # warpgroup c's chunks f0 .. f0 + count - 1 of this block (numbers n0 ..), issued right behind
+        # the dQ GEMMs, which are waited for here (the first chunk's two groups run on)
+        issue_chunk(w, f0, w.acc_t[c])
+        T.wait_wgmma(2)
+        T.warpgroup_fence_operand(w.acc_dq, num_regs=h_blk * D // 256)
+        T.barrier_arrive(w.kv_free)  # warpgroup 2 may gather the next block now
+        chunks_from(w, c, f0, n0, 0, count, w.acc_t[c], w.acc_t2[c])
 
     @T.macro
     def tail_chunk(w, blk):
         # warpgroup 1: block blk's rope-tail chunk, Q_tail^T dS (dp_s still holds blk's dS)
         T.gemm(w.q_parts[1], w.dp_s, w.acc_t[1], transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
                clear_accum=True)
-        stage_chunk(w, 1, blk * N_OWN[1] + N_OWN[1] - 1)
+        stage_chunk(w, 1, w.acc_t[1], blk * N_OWN[1] + N_OWN[1] - 1)
 
     @T.macro
     def drain_chunk(w, blk, c, k):
@@ -1125,6 +1146,8 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                 T.gemm(w.qt_s, w.kt_s, w.acc_sp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             for h, j in T.Parallel(h_blk, BS):
                 w.acc_sp[h, j] = T.exp2(w.acc_sp[h, j] * scale2 - w.lse_log2[h])
+            if blk > 0:
+                T.barrier_wait(w.step_done, (blk - 1) & 1)  # both warpgroups are done with block blk - 1's P / dS
             T.copy(w.acc_sp, w.p32_s[0:h_blk, 0:BS])
             T.copy(w.acc_sp, w.p_s)
             T.fence_proxy_async()
@@ -1145,10 +1168,14 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             T.barrier_arrive(w.ds_ready)
         T.barrier_wait(w.ds_ready, blk & 1)
         T.gemm(w.dp_s, w.kv_parts[0], w.acc_dq, policy=T.GemmWarpPolicy.FullCol, annotations={"wg_wait": -1})
-        T.gemm(w.dp_s, w.kv_parts[1], w.acc_dqt, policy=T.GemmWarpPolicy.FullCol)  # waits for both
-        T.warpgroup_fence_operand(w.acc_dq, num_regs=h_blk * D // 256)
-        T.barrier_arrive(w.kv_free)  # warpgroup 2 may gather the next block now
-        dkv_by_chunks(w, blk)
+        T.gemm(w.dp_s, w.kv_parts[1], w.acc_dqt, policy=T.GemmWarpPolicy.FullCol, annotations={"wg_wait": -1})
+        if w.tx < 128:
+            dkv_by_chunks(w, 0, 0, N_OWN[0], blk * N_OWN[0])
+        else:
+            dkv_by_chunks(w, 1, HALF, N_OWN[1] - 1, blk * N_OWN[1])
+        # P and dS are rewritten by the next block: warpgroup 0 waits for both warpgroups' arrival
+        # before it writes the next P (after its next score GEMM)
+        T.barrier_arrive(w.step_done)
 
     @T.prim_func
     def bwd(
@@ -1183,8 +1210,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             acc_dq = T.alloc_fragment([h_blk, D], acc)
             acc_dqt = T.alloc_fragment([h_blk, DT], acc)
             lse_log2 = T.alloc_fragment([h_blk], acc)  # warpgroup 0: its rows' lse * log2(e)
-            acc_t0 = T.alloc_fragment([64, BS], acc)  # a dKV^T chunk, per warpgroup
+            acc_t0 = T.alloc_fragment([64, BS], acc)  # dKV^T chunks: two accumulators per warpgroup
             acc_t1 = T.alloc_fragment([64, BS], acc)
+            acc_t0b = T.alloc_fragment([64, BS], acc)
+            acc_t1b = T.alloc_fragment([64, BS], acc)
             od = T.alloc_fragment([h_blk, DELTA_COLS], acc)
             od_sum = T.alloc_fragment([h_blk], acc)
             delta = T.alloc_fragment([h_blk], acc)
@@ -1217,7 +1246,8 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                                 q_s=q_s, qt_s=qt_s, q_parts=q_parts, do_s=do_s, kv_s=kv_s, kt_s=kt_s,
                                 kv_parts=kv_parts, p_s=p_s, dp_s=dp_s, p32_s=p32_s, delta_s=delta_s,
                                 full=full, kv_free=kv_free, p_ready=p_ready, ds_ready=ds_ready,
-                                ch_s=(ch_s0, ch_s1), acc_t=(acc_t0, acc_t1), ch_full=((ch_full00, ch_full01), (ch_full10, ch_full11)),
+                                ch_s=(ch_s0, ch_s1), acc_t=(acc_t0, acc_t1), acc_t2=(acc_t0b, acc_t1b),
+                                ch_full=((ch_full00, ch_full01), (ch_full10, ch_full11)),
                                 ch_free=((ch_free00, ch_free01), (ch_free10, ch_free11)),
                                 step_done=step_done)
             # the gather warpgroup starts block 0's kv rows before the prologue loads (exp47: -1.4%
@@ -1243,6 +1273,8 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                         lse_log2[h] = load_lse(Lse, b, s, h0, h, S) * LOG2E
                 for i in T.serial(nb):
                     step(w, i)
+                if nb > 0:  # both warpgroups done with the last block (the epilogue rewrites the Q tile)
+                    T.barrier_wait(step_done, (nb - 1) & 1)
                 if tx >= 128:
                     if nb > 0:
                         tail_chunk(w, nb - 1)
