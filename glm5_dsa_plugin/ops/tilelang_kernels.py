@@ -1082,18 +1082,16 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
 
     @T.macro
     def chunks_from(w, c, f0, n0, k, count, a, b):
-        # chunk k of count is in flight in accumulator a: issue chunk k + 1 into b, then wait for
+        # chunk k of count is in flight in accumulator a: issue chunk k + 1 (if any) into b, wait for
         # chunk k alone (k + 1's two groups run on) and stage it under k + 1's GEMMs (static recursion)
-        if k + 1 < count:
+        more = k + 1 < count
+        if more:
             issue_chunk(w, f0 + k + 1, b)
-            T.wait_wgmma(2)
-            T.warpgroup_fence_operand(a, num_regs=64 * BS // 128)
-            stage_chunk(w, c, a, n0 + k)
+        T.wait_wgmma(2 if more else 0)
+        T.warpgroup_fence_operand(a, num_regs=64 * BS // 128)
+        stage_chunk(w, c, a, n0 + k)
+        if more:
             chunks_from(w, c, f0, n0, k + 1, count, b, a)
-        else:
-            T.wait_wgmma(0)
-            T.warpgroup_fence_operand(a, num_regs=64 * BS // 128)
-            stage_chunk(w, c, a, n0 + k)
 
     @T.macro
     def dkv_by_chunks(w, c, f0, count, n0):
