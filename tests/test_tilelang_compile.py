@@ -80,25 +80,45 @@ def test_deterministic_backward_builds_without_atomics():
     assert "AtomicAdd" not in src
 
 
+def _drain_writes(src: str, atomic: bool) -> list[str]:
+    """The warp-specialised backward's dKV writes in generated CUDA ``src`` (16-byte atomics, or
+    the per-slot kernel's 16-byte stores), checked for what the drain of each MMA warpgroup's
+    chunk buffers does: its values read from the buffer into registers (16-byte vectors), the
+    buffer freed, then one write per valid slot from those registers under the valid-slot test
+    (exp94: nothing issued to global memory before the free)."""
+    import re
+
+    lines = src.splitlines()
+    if atomic:
+        writes = re.findall(r"AtomicAddx4\(\(&\(dKV\[[^;]*\(&\(drain_vals\[[^;]*;", src)
+        at = [i for i, ln in enumerate(lines) if "AtomicAddx4((&(dKV[" in ln]
+    else:
+        writes = re.findall(r"\*\(float4\*\)\(dKV \+ [^;]*\) = \*\(float4\*\)\(drain_vals \+ [^;]*\);", src)
+        at = [i for i, ln in enumerate(lines) if "*(float4*)(dKV + " in ln]
+    assert len(writes) == 2, writes  # one per MMA warpgroup's chunk buffers
+    assert len(at) == 2 and all("if ((0 <= drain_keys[" in lines[i - 1] for i in at)  # only valid slots
+    for c, i in enumerate(at):
+        reads = [j for j in range(i) if "*(float4*)(drain_vals + " in lines[j] and f"ch_s{c})" in lines[j]]
+        frees = [j for j in range(i) if f"ch_free{c}" in lines[j] and ".arrive()" in lines[j]]
+        assert reads and frees and reads[-1] < frees[-1] < i, (c, reads, frees, i)
+    return writes
+
+
 def test_deterministic_warp_specialised_backward_stores_each_slot():
     """The per-slot warp-specialised backward (deterministic mode, 64-row tiles): the drain
     stores each staged chunk row in 16-byte vectors into the per-slot dKV (row-major [B, T, G*nh,
     topk, 576]: one slot row is 576 floats) and issues no atomic, under the same valid-slot test;
-    the atomic kernel keeps its vector atomics. The same shared memory (<= 227 KiB)."""
-    import re
-
+    the atomic kernel keeps its vector atomics (from registers, after the buffer's free: the
+    same order, ``_drain_writes``). The same shared memory (<= 227 KiB)."""
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
 
     per_slot = sparse_mla_bwd_ws_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90A, dkv_per_slot=True)
     atomic = sparse_mla_bwd_ws_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90A)
     src, atomic_src = per_slot.get_kernel_source(), atomic.get_kernel_source()
     assert "AtomicAdd" not in src and "AtomicAddx4" in atomic_src
-    stores = re.findall(r"\*\(float4\*\)\(dKV \+ [^;]*\) = \*\(float4\*\)\(\(\(float\*\)ch_s[01]\)", src)
-    assert len(stores) == 2, stores  # one per MMA warpgroup's chunk buffers
+    _drain_writes(atomic_src, atomic=True)
+    stores = _drain_writes(src, atomic=False)
     assert all("(int64_t)576)" in st for st in stores)  # slot rows of 576 floats
-    lines = src.splitlines()
-    at = [i for i, ln in enumerate(lines) if "*(float4*)(dKV + " in ln]
-    assert len(at) == 2 and all("if ((0 <= key_" in lines[i - 1] for i in at)  # only valid slots are stored
     assert _requested_dyn_smem(per_slot) == _requested_dyn_smem(atomic) <= HOPPER_MAX_DYN_SMEM
 
 
@@ -107,8 +127,6 @@ def test_deterministic_row_group_backward_stores_each_group_entry():
     stores each valid entry of a group's list (rows of 576 floats, slot_stride of them per group
     and head tile: the caller's, not R * topk) under the same valid-entry test, without atomics;
     the same shared memory as the atomic row-group kernel."""
-    import re
-
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
 
     per_slot = sparse_mla_bwd_ws_kernel(16, 512, 64, 2048, 1, 256**-0.5, rows_per_block=4, target=SM90A,
@@ -116,12 +134,8 @@ def test_deterministic_row_group_backward_stores_each_group_entry():
     atomic = sparse_mla_bwd_ws_kernel(16, 512, 64, 2048, 1, 256**-0.5, rows_per_block=4, target=SM90A)
     src = per_slot.get_kernel_source()
     assert "AtomicAdd" not in src and "AtomicAddx4" in atomic.get_kernel_source()
-    stores = re.findall(r"\*\(float4\*\)\(dKV \+ [^;]*\) = \*\(float4\*\)\(\(\(float\*\)ch_s[01]\)", src)
-    assert len(stores) == 2, stores
+    stores = _drain_writes(src, atomic=False)
     assert all("(int64_t)576)" in st and "slot_stride" in st and "4718592" not in st for st in stores)
-    lines = src.splitlines()
-    at = [i for i, ln in enumerate(lines) if "*(float4*)(dKV + " in ln]
-    assert len(at) == 2 and all("if ((0 <= key_" in lines[i - 1] for i in at)
     assert _requested_dyn_smem(per_slot) == _requested_dyn_smem(atomic) <= HOPPER_MAX_DYN_SMEM
 
 
@@ -291,8 +305,8 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
                                          (64, 1, 256)])
 def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     """The warp-specialised backward builds for sm_90a within 227 KiB; its gather/drain warpgroup
-    copies with cp.async and issues the dKV vector atomics; TileLang's partial barriers stay in
-    the MMA warpgroups; the three setmaxnreg counts fit the 3 x 168 registers per thread given
+    copies with cp.async and issues the dKV vector atomics; TileLang's partial barriers in it
+    use ids of their own; the three setmaxnreg counts fit the 3 x 168 registers per thread given
     at launch (more, and setmaxnreg.inc waits forever: the first version hung that way). The
     score side is split between the MMA warpgroups (session 14): warpgroup 0 computes all 32
     slots' scores (m64n32; with one row per block Q and kv are [rows, 576] tiles, so one 576-deep
@@ -311,7 +325,12 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     assert 2 * int(mma) + int(producer) <= 3 * 168
     drain = src.index("warpgroup_reg_dealloc")
     assert "cp_async_gs<16>" in src[drain:] and "AtomicAddx4" in src[drain:] and "AtomicAdd" not in src[:drain]
-    assert "__sync_thread_partial" not in src[drain:] and "64, 16, 16" not in src
+    # TileLang's partial barriers: the drain's (around its gathers: its chunk reads and the
+    # gathers' cp.async land in one merged shared buffer) never share an id with the MMA
+    # warpgroups' (session 7's hang: one hardware barrier met by warps of two roles)
+    mma_ids, drain_ids = (set(re.findall(r"__sync_thread_partial\((\d+), ", part)) for part in (src[:drain], src[drain:]))
+    assert mma_ids and not mma_ids & drain_ids, (mma_ids, drain_ids)
+    assert "64, 16, 16" not in src
     wgmma = [line for line in src[:drain].splitlines() if "wgmma_ss<" in line]
     scores = [line for line in wgmma if "(acc_sp + 0)" in line]
     dp = [line for line in wgmma if "(acc_ds + 0)" in line]
