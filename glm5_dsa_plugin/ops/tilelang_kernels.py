@@ -982,15 +982,16 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     block i's dS until warpgroup 1 itself rewrites it; the last block's tail runs after the
     loop). Each chunk's [32 slots, 64] fp32 rows go to one of the warpgroup's two chunk buffers,
     in the same order either way; warpgroup 2 drains them with vector fp32 atomics as they come
-    (each chunk's values into registers, its buffer freed, then the atomics: session 29, exp94,
-    2% faster at 64 heads than atomics straight from the buffer), and gathers the next block's kv
-    rows with cp.async as soon as the dQ MMAs are done with the buffer. The chunks are software-pipelined: each MMA warpgroup has two chunk accumulators,
-    issues its first chunk right behind its dQ GEMMs and every next chunk before it stages the
-    previous one, so the staging stores run under GEMMs; and the warpgroups do not meet at the
-    end of a step: warpgroup 0 runs its next score GEMM and exp2 first and only then waits for
-    both to be done with the block's P / dS, which it is about to overwrite (session 28: the
-    staging stores and the atomics each cost about 1.2 ms of W2 H64's 7.2, exp83; with both
-    changes the backward takes 0.97x the time at W2 / W1 H64, 0.95x at H16, 0.93x at H8,
+    (each chunk's values into registers, its buffer freed, then the atomics: session 29, exp94, 2%
+    faster at 64 heads than atomics straight from the buffer), and gathers the next block's kv rows
+    with cp.async as soon as the dQ MMAs are done with the buffer. The chunks are
+    software-pipelined: each MMA warpgroup has two chunk accumulators, issues its first chunk right
+    behind its dQ GEMMs and every next chunk before it stages the previous one, so the staging
+    stores run under GEMMs; and the warpgroups do not meet at the end of a step: warpgroup 0 runs
+    its next score GEMM and exp2 first and only then waits for both to be done with the block's P /
+    dS, which it is about to overwrite (session 28: the staging stores and the atomics each cost
+    about 1.2 ms of W2 H64's 7.2, exp83; with both changes the backward takes 0.97x the time at W2 /
+    W1 H64, 0.95x at H16, 0.93x at H8,
     exp84-exp86). Shared memory:
     Q and dO (139 KB) + kv (37 KB) + chunk buffers (35 KB) + P (bf16 and fp32), dS. Registers
     per thread: 224 / 224 / 56 (the second accumulators: at 216 ptxas serialises the wgmma, at
