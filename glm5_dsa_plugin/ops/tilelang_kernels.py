@@ -1116,8 +1116,9 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     def drain_chunk(w, blk, c, k):
         # warpgroup c's chunk k of this block: columns (c * HALF + k) * 64 + [0, 64), 16 bytes per
         # atomic. The thread's slot keys are read before the wait and its values into registers after
-        # it; the buffer is freed before the atomics are issued (the arrive is a release: after them
-        # it waited for their issue whenever the memory system pushed back, exp94)
+        # it; the buffer is freed before this chunk's atomics, so the free (a release) follows only
+        # the previous chunk's (exp94: 2% faster than after its own; exp96: a relaxed free that
+        # follows none was 3-5% slower)
         tp = w.tx - 256
         n = blk * N_OWN[c] + k
         for r in T.unroll(BS * 16 // 128):
