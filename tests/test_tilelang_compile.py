@@ -85,7 +85,7 @@ def _drain_writes(src: str, atomic: bool) -> list[str]:
     the per-slot kernel's 16-byte stores), checked for what the drain of each MMA warpgroup's
     chunk buffers does: its values read from the buffer into registers (16-byte vectors), the
     buffer freed, then one write per valid slot from those registers under the valid-slot test
-    (exp94: nothing issued to global memory before the free)."""
+    (exp94: none of the chunk's own writes ahead of its free)."""
     import re
 
     lines = src.splitlines()
@@ -328,7 +328,8 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     # TileLang's partial barriers: the drain's (around its gathers: its chunk reads and the
     # gathers' cp.async land in one merged shared buffer) never share an id with the MMA
     # warpgroups' (session 7's hang: one hardware barrier met by warps of two roles)
-    mma_ids, drain_ids = (set(re.findall(r"__sync_thread_partial\((\d+), ", part)) for part in (src[:drain], src[drain:]))
+    mma_ids, drain_ids = (set(re.findall(r"__sync_thread_partial\((\d+), ", part))
+                          for part in (src[:drain], src[drain:]))
     assert mma_ids and not mma_ids & drain_ids, (mma_ids, drain_ids)
     assert "64, 16, 16" not in src
     wgmma = [line for line in src[:drain].splitlines() if "wgmma_ss<" in line]

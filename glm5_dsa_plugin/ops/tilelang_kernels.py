@@ -991,8 +991,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     its next score GEMM and exp2 first and only then waits for both to be done with the block's P /
     dS, which it is about to overwrite (session 28: the staging stores and the atomics each cost
     about 1.2 ms of W2 H64's 7.2, exp83; with both changes the backward takes 0.97x the time at W2 /
-    W1 H64, 0.95x at H16, 0.93x at H8,
-    exp84-exp86). Shared memory:
+    W1 H64, 0.95x at H16, 0.93x at H8, exp84-exp86). Shared memory:
     Q and dO (139 KB) + kv (37 KB) + chunk buffers (35 KB) + P (bf16 and fp32), dS. Registers
     per thread: 224 / 224 / 56 (the second accumulators: at 216 ptxas serialises the wgmma, at
     232 / 40 the drain starves, 1.5% slower; exp24: the drain's atomics and the gathers want
