@@ -2,7 +2,8 @@
 ``sparse_mla_bwd_ws_kernel``'s signature; "tree" first) built in parallel, timed against the tree's
 through TileLangBackend (``common.backward_ab``), and checked / timed in deterministic mode. Each
 function adds rows to ``res`` and rewrites ``path`` (JSON) after every row. (exp77.py's log was
-written before this module took its loops: it printed the same figures in its own words.)"""
+written before this module took its loops: it printed the same figures in its own words.) Since
+session 29 also the race check of exp95-exp97 (``spread_rows``)."""
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +84,44 @@ def deterministic_rows(builders: dict, shapes, res: dict, path: str) -> None:
                 f"{n} {med[n]:.4f} ({med[n] / med['tree']:.4f}x, bitwise {row[n + ' bitwise_3_runs']}, "
                 f"dq bitwise {row[n + ' dq_bitwise']}, dkv {row[n + ' dkv_rel']:.1e})" for n in builders if n != "tree"),
                   flush=True)
+            json.dump(res, open(path, "w"), indent=1)
+    finally:
+        tk.sparse_mla_bwd_ws_kernel = original
+
+
+def spread_rows(builders: dict, shapes, res: dict, path: str, runs: int = 6, seed: int = 47) -> None:
+    """Race check (session 29, exp95-exp97): at each (workload, H), each variant's backward ``runs``
+    times on the same inputs; per kv row, the largest distance of a run's dkv from the runs' fp64
+    mean relative to the row's norm (the atomics' order alone moves rows by up to about 1e-3; a
+    chunk buffer overwritten before the drain read it would move whole rows), and whether dq is
+    bitwise the same over the runs and across the variants."""
+    from glm5_dsa_plugin.ops import tilelang_kernels as tk
+    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+
+    original = tk.sparse_mla_bwd_ws_kernel
+    try:
+        for wl, H in shapes:
+            q, kv, idx, g = workload(wl, H, seed=seed)
+            be = TileLangBackend()
+            out, lse, saved = be.forward_saving(q, kv, idx, SCALE, DV)
+            row, dqs = {}, {}
+            for name, f in builders.items():
+                tk.sparse_mla_bwd_ws_kernel = f
+                grads = [be.backward_saved(q, saved, out, lse, g, SCALE, DV) for _ in range(runs)]
+                dkv = torch.stack([r[1].double() for r in grads])
+                mean = dkv.mean(0)
+                norm = mean.flatten(0, 2).norm(dim=-1)
+                live = norm > 0
+                dev = (dkv - mean).abs().amax(0).flatten(0, 2).amax(-1)[live] / norm[live]
+                row[name] = dict(dq_bitwise_runs=all(torch.equal(r[0], grads[0][0]) for r in grads[1:]),
+                                 rows=int(live.sum()), max_row_rel=float(dev.max()),
+                                 p999_row_rel=float(dev.quantile(0.999)), median_row_rel=float(dev.median()),
+                                 rows_above_1e_4=int((dev > 1e-4).sum()))
+                dqs[name] = grads[0][0]
+            first = next(iter(builders))
+            row["dq_bitwise_across"] = all(torch.equal(dqs[first], d) for d in dqs.values())
+            res["rows"][f"{wl} H{H} race check"] = row
+            print(wl, H, "race check", json.dumps(row), flush=True)
             json.dump(res, open(path, "w"), indent=1)
     finally:
         tk.sparse_mla_bwd_ws_kernel = original
