@@ -8,22 +8,10 @@ barrier, then issues the atomics (deterministic mode: the stores) from registers
 (two drain warpgroups) were slower: the drain's issue rate is not the limit; what the MMA
 warpgroups wait for may be the buffers' release. Run from the repository root."""
 from patching import replace_once
+from v31_drain import V31_DRAIN_BODY
 
 src = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
-src = replace_once(src, '''        tp = w.tx - 256
-        n = blk * N_OWN[c] + k
-        wait_chunk_buffer(w.ch_full[c], n, 0)
-        for r in T.unroll(BS * 16 // 128):
-            j = (r * 128 + tp) // 16
-            d = (r * 128 + tp) % 16 * 4
-            key = w.Indices[w.b, w.s, w.g, blk * BS + j]
-            if valid_slot(key, n_kv):
-                if dkv_per_slot:
-                    for v in T.vectorized(4):
-                        w.dKV[w.b, w.s, w.bz, blk * BS + j, (c * HALF + k) * 64 + d + v] = w.ch_s[c][n % 2, j, d + v]
-                else:
-                    T.atomic_addx4(w.dKV[w.b, key, w.g, (c * HALF + k) * 64 + d], w.ch_s[c][n % 2, j, d])
-        arrive_chunk_buffer(w.ch_free[c], n)''', '''        tp = w.tx - 256
+src = replace_once(src, V31_DRAIN_BODY, '''        tp = w.tx - 256
         n = blk * N_OWN[c] + k
         for r in T.unroll(BS * 16 // 128):  # exp94: keys before the wait, values into registers, free, add
             w.dkeys[r] = w.Indices[w.b, w.s, w.g, blk * BS + (r * 128 + tp) // 16]

@@ -2,6 +2,7 @@
 (atomics straight from the chunk buffer, then the free), the reference for ``exp95.py``. Run from
 the repository root."""
 from patching import replace_once
+from v31_drain import V31_DRAIN_BODY
 
 src = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
 start = src.index("    @T.macro\n    def drain_chunk(w, blk, c, k):")
@@ -9,20 +10,7 @@ end = src.index("    @T.macro\n    def step(w, blk):")
 src = src[:start] + '''    @T.macro
     def drain_chunk(w, blk, c, k):
         # (v31's drain) warpgroup c's chunk k of this block, 16 bytes per atomic
-        tp = w.tx - 256
-        n = blk * N_OWN[c] + k
-        wait_chunk_buffer(w.ch_full[c], n, 0)
-        for r in T.unroll(BS * 16 // 128):
-            j = (r * 128 + tp) // 16
-            d = (r * 128 + tp) % 16 * 4
-            key = w.Indices[w.b, w.s, w.g, blk * BS + j]
-            if valid_slot(key, n_kv):
-                if dkv_per_slot:
-                    for v in T.vectorized(4):
-                        w.dKV[w.b, w.s, w.bz, blk * BS + j, (c * HALF + k) * 64 + d + v] = w.ch_s[c][n % 2, j, d + v]
-                else:
-                    T.atomic_addx4(w.dKV[w.b, key, w.g, (c * HALF + k) * 64 + d], w.ch_s[c][n % 2, j, d])
-        arrive_chunk_buffer(w.ch_free[c], n)
+''' + V31_DRAIN_BODY + '''
 
 ''' + src[end:]
 src = replace_once(src, '''            drain_keys = T.alloc_local([BS * 16 // 128], T.int32)  # a drain thread's slot keys of a chunk
