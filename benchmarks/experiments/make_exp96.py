@@ -23,8 +23,8 @@ __device__ __forceinline__ void glm5_free_after_reads(B &bar, float a, float b, 
 '''
 
 src = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
-src = replace_once(src, '''                w.drain_vals[r * 4 + v] = w.ch_s[c][n % 2, (r * 128 + tp) // 16, (r * 128 + tp) % 16 * 4 + v]
-        arrive_chunk_buffer(w.ch_free[c], n)''', '''                w.drain_vals[r * 4 + v] = w.ch_s[c][n % 2, (r * 128 + tp) // 16, (r * 128 + tp) % 16 * 4 + v]
+src = replace_once(src, '''                w.drain_vals[r * 4 + v] = w.ch_s[c][n % 2, drain_slot(r, tp), drain_col(r, tp) + v]
+        arrive_chunk_buffer(w.ch_free[c], n)''', '''                w.drain_vals[r * 4 + v] = w.ch_s[c][n % 2, drain_slot(r, tp), drain_col(r, tp) + v]
         # exp96: a relaxed arrive after the reads have returned
         if n % 2 == 0:
             T.call_extern("handle", "glm5_free_after_reads", w.ch_free[c][0][0], w.drain_vals[0], w.drain_vals[4],

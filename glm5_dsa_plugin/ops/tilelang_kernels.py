@@ -993,12 +993,12 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     about 1.2 ms of W2 H64's 7.2, exp83; with both changes the backward takes 0.97x the time at W2 /
     W1 H64, 0.95x at H16, 0.93x at H8, exp84-exp86). Shared memory:
     Q and dO (139 KB) + kv (37 KB) + chunk buffers (35 KB) + P (bf16 and fp32), dS. Registers
-    per thread: 224 / 224 / 56 (the second accumulators: at 216 ptxas serialises the wgmma, at
-    232 / 40 the drain starves, 1.5% slower; exp24: the drain's atomics and the gathers want
-    more than 40). Prologue (nothing overlaps it: one
-    CTA per SM): block 0's gather is issued first, the Q / dO tiles load in 16-byte vectors
-    (``vector_rows``), and Delta reads dO from its shared tile (exp47: together 6.4% off the W2
-    H64 kernel, 4.9% at W1). R = 1 stores dq through the dead Q tile in 16-byte stores (exp49).
+    per thread: 224 / 224 / 56 (the second accumulators: at 216 ptxas serialises the wgmma, at 232 /
+    40 the drain starves, 1.5% slower; exp24: the drain's atomics and the gathers want more than
+    40). Prologue (nothing overlaps it: one CTA per SM): block 0's gather is issued first, the Q /
+    dO tiles load in 16-byte vectors (``vector_rows``), and Delta reads dO from its shared tile
+    (exp47: together 6.4% off the W2 H64 kernel, 4.9% at W1). R = 1 stores dq through the dead Q
+    tile in 16-byte stores (exp49).
     Rows (groups) run last first, as in the forward: under a causal mask the longest lists start
     first instead of trailing the launch (exp54: W2 H64 0.992x, W1 0.995x; an L2 prefetch of the
     next wave's Q / dO / O tiles on top of it was 1% slower). Warpgroup 0 keeps its rows' lse in
@@ -1111,6 +1111,14 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                clear_accum=True)
         stage_chunk(w, 1, w.acc_t[1], blk * N_OWN[1] + N_OWN[1] - 1)
 
+    def drain_slot(r, tp):
+        # drain thread tp's r-th 16-byte piece of a chunk: its slot (row of the chunk buffer) ...
+        return (r * 128 + tp) // 16
+
+    def drain_col(r, tp):
+        # ... and its first feature column within the chunk
+        return (r * 128 + tp) % 16 * 4
+
     @T.macro
     def drain_chunk(w, blk, c, k):
         # warpgroup c's chunk k of this block: columns (c * HALF + k) * 64 + [0, 64), 16 bytes per
@@ -1121,15 +1129,14 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         tp = w.tx - 256
         n = blk * N_OWN[c] + k
         for r in T.unroll(BS * 16 // 128):
-            w.drain_keys[r] = w.Indices[w.b, w.s, w.g, blk * BS + (r * 128 + tp) // 16]
+            w.drain_keys[r] = w.Indices[w.b, w.s, w.g, blk * BS + drain_slot(r, tp)]
         wait_chunk_buffer(w.ch_full[c], n, 0)
         for r in T.unroll(BS * 16 // 128):
             for v in T.vectorized(4):
-                w.drain_vals[r * 4 + v] = w.ch_s[c][n % 2, (r * 128 + tp) // 16, (r * 128 + tp) % 16 * 4 + v]
+                w.drain_vals[r * 4 + v] = w.ch_s[c][n % 2, drain_slot(r, tp), drain_col(r, tp) + v]
         arrive_chunk_buffer(w.ch_free[c], n)
         for r in T.unroll(BS * 16 // 128):
-            j = (r * 128 + tp) // 16
-            d = (r * 128 + tp) % 16 * 4
+            j, d = drain_slot(r, tp), drain_col(r, tp)
             if valid_slot(w.drain_keys[r], n_kv):
                 if dkv_per_slot:
                     for v in T.vectorized(4):
