@@ -9,7 +9,7 @@ is the same up to rounding: FlashAttention-4's conditional rescale), so the fact
 every pair. c / d (after a and b ran slower or even: a thread-divergent branch around the
 rescale): b / a with the skip decided per warp (``__any_sync`` of the threads' flags), a
 warp-uniform branch. Run from the repository root."""
-from patching import replace_once
+from patching import replace_once, with_forward_locals
 
 SRC = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
 SCALE_ROWS = '''
@@ -66,16 +66,7 @@ def variant(threshold: bool, per_warp: bool) -> str:
                 T.max(w.m[h] if c == 0 else w.max_s[0, h], w.m_blk[h]) > (w.m[h] if c == 0 else w.max_s[0, h]) + 8.0 / scale2,
                 T.max(w.m[h] if c == 0 else w.max_s[0, h], w.m_blk[h]), w.m[h] if c == 0 else w.max_s[0, h])
             w.alpha[h] = T.exp2((w.m[h] - _exp_base(w.m_blk[h])) * scale2)''')
-    src = replace_once(src, '''            m_blk1 = T.alloc_fragment([h_blk], acc)
-            full0l''', '''            m_blk1 = T.alloc_fragment([h_blk], acc)
-            need0 = T.alloc_local([1], T.int32)
-            need1 = T.alloc_local([1], T.int32)
-            full0l''')
-    src = replace_once(src, "blk_sum=blk_sum0, alpha=alpha0, m=m0, m_blk=m_blk0, **shared), 0)",
-                       "blk_sum=blk_sum0, alpha=alpha0, m=m0, m_blk=m_blk0, need=need0, **shared), 0)")
-    src = replace_once(src, "blk_sum=blk_sum1, alpha=alpha1, m=m1, m_blk=m_blk1, **shared), 1)",
-                       "blk_sum=blk_sum1, alpha=alpha1, m=m1, m_blk=m_blk1, need=need1, **shared), 1)")
-    return src
+    return with_forward_locals(src, "need", "T.alloc_local([1], T.int32)")
 
 
 for tag, thr, per_warp in (("a", False, False), ("b", True, False), ("c", True, True), ("d", False, True)):

@@ -5,7 +5,7 @@ operands in shared memory: per k16 step 2 KB of Q and 2 KB of K in the 32 cycles
 need, which is all of the 128 bytes per cycle shared memory gives, while the gathers and the PV
 GEMMs use it too. Each warpgroup copies those columns of Q into a wgmma A fragment (16 registers
 per unit) once per row and issues their k-steps register-sourced. Run from the repository root."""
-from patching import replace_once
+from patching import replace_once, with_forward_locals
 
 SRC = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
 
@@ -38,16 +38,7 @@ def variant(qr: int) -> str:
         T.barrier_wait(w.q_full, 0)
         T.copy(w.q_s[0:h_blk, QC0:D + DT], w.q_r)
 ''')
-    src = replace_once(src, '''            m_blk1 = T.alloc_fragment([h_blk], acc)
-            full0l''', '''            m_blk1 = T.alloc_fragment([h_blk], acc)
-            q_r0 = T.alloc_fragment([h_blk, D + DT - QC0], dtype)
-            q_r1 = T.alloc_fragment([h_blk, D + DT - QC0], dtype)
-            full0l''')
-    src = replace_once(src, "blk_sum=blk_sum0, alpha=alpha0, m=m0, m_blk=m_blk0, **shared), 0)",
-                       "blk_sum=blk_sum0, alpha=alpha0, m=m0, m_blk=m_blk0, q_r=q_r0, **shared), 0)")
-    src = replace_once(src, "blk_sum=blk_sum1, alpha=alpha1, m=m1, m_blk=m_blk1, **shared), 1)",
-                       "blk_sum=blk_sum1, alpha=alpha1, m=m1, m_blk=m_blk1, q_r=q_r1, **shared), 1)")
-    return src
+    return with_forward_locals(src, "q_r", "T.alloc_fragment([h_blk, D + DT - QC0], dtype)")
 
 
 for tag, qr in (("a", 1), ("b", 2)):
