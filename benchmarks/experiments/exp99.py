@@ -1,14 +1,16 @@
-"""exp99 (session 30; exp100 with ``VARIANTS=tree,exp100a,exp100b NAME=exp100``, which also
-prints how far a variant lies from the tree): the forward with Q's last 64-column unit(s) in registers (``make_exp99.py``:
-a = the rope tail, b = two units) against the tree's forward. Raw launches on the backend's
-prepared inputs (out / lse poisoned with NaN, compared bitwise with the tree's) at W2 / W1 H64,
-then through TileLangBackend's forward (``sparse_mla_fwd_ws_kernel`` patched) at W2 H16 / H8
-(row groups; bitwise); timing: 8 alternating rounds of raw launches at W2 / W1 H64, of the op
-without grad (deferred flags) at W2 H64 and of the backend's forward at W2 H16 / H8, then
-sustained loops (1.5 s of back-to-back raw launches each, 4 alternating rounds) at W2 / W1 H64,
-the regime in which the forward runs at the power limit. Run ``make_exp99.py`` from the
-repository root first."""
-import json, os, sys, time
+"""exp99 (session 30): the forward with Q's last 64-column unit(s) in registers (``make_exp99.py``:
+a = the rope tail, b = two units) against the tree's forward; exp100 runs through it too
+(``VARIANTS=tree,exp100a,exp100b NAME=exp100``), and since then it records how far a variant that
+is not bitwise lies from the tree. Raw launches on the backend's prepared inputs (out / lse
+poisoned with NaN, compared bitwise with the tree's) at W2 / W1 H64, then through
+TileLangBackend's forward (``sparse_mla_fwd_ws_kernel`` patched) at W2 H16 / H8 (row groups;
+bitwise); timing: 8 alternating rounds of raw launches at W2 / W1 H64, of the op without grad
+(deferred flags) at W2 H64 and of the backend's forward at W2 H16 / H8, then sustained loops (1.5
+s of back-to-back raw launches each, 4 alternating rounds) at W2 / W1 H64, the regime in which
+the forward runs at the power limit. (exp99's outputs were not the tree's: TileLang 0.1.15 drops
+the column offset of its Q copy; NOTES, session 30.) Run ``make_exp99.py`` from the repository
+root first."""
+import importlib, json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -16,7 +18,6 @@ from common import DV, SCALE, alternating, prepared_forward_inputs, raw_forward,
 from glm5_dsa_plugin.ops import configure, sparse_mla
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
-import importlib
 OUT = os.environ.get("OUT", ".")
 TREE = tk.sparse_mla_fwd_ws_kernel
 NAMES = os.environ.get("VARIANTS", "tree,exp99a,exp99b").split(",")

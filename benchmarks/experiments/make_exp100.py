@@ -1,4 +1,4 @@
-"""Writes glm5_dsa_plugin/ops/_exp100a.py / _exp100b.py (ignored by git), session 30: the forward's
+"""Writes glm5_dsa_plugin/ops/_exp100a.py ... _exp100d.py (ignored by git), session 30: the forward's
 rescales of out (64 x 256 fp32 per warpgroup, 128 multiplies per thread, twice per pair in
 warpgroup 0 and once in warpgroup 1) and of P0 skipped by a thread whose rows' factor is 1.
 Forward-only loops run at the 700 W power limit (exp71), so fewer CUDA-core instructions per pair
@@ -58,6 +58,8 @@ def variant(threshold: bool, per_warp: bool) -> str:
         scale_rows(w, w.acc_o, DH)
         mask_block(w, i * 2 + 2)''')
     if threshold:
+        # the max so far written out in each place (named once, it becomes a local of its own in the
+        # generated CUDA, which is then no longer the timed one)
         src = replace_once(src, '''        for h in T.Parallel(h_blk):
             w.m_blk[h] = T.max(w.m[h] if c == 0 else w.max_s[0, h], w.m_blk[h])
             w.alpha[h] = T.exp2((w.m[h] - _exp_base(w.m_blk[h])) * scale2)''', '''        for h in T.Parallel(h_blk):

@@ -4,7 +4,9 @@ from registers. With one 64-slot block per MMA warpgroup the score GEMM is m64n6
 operands in shared memory: per k16 step 2 KB of Q and 2 KB of K in the 32 cycles the tensor cores
 need, which is all of the 128 bytes per cycle shared memory gives, while the gathers and the PV
 GEMMs use it too. Each warpgroup copies those columns of Q into a wgmma A fragment (16 registers
-per unit) once per row and issues their k-steps register-sourced. Run from the repository root."""
+per unit) once per row and issues their k-steps register-sourced. (TileLang 0.1.15 lowers that
+copy to ldmatrix reads of the tile's first columns: the variants compute wrong scores, as timed
+in session 30; NOTES.) Run from the repository root."""
 from patching import replace_once, with_forward_locals
 
 SRC = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
