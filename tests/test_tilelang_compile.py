@@ -2,6 +2,7 @@
 compiling is caught here and not on a cluster."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -35,8 +36,6 @@ HOPPER_MAX_DYN_SMEM = 227 * 1024  # per block, opt-in maximum on sm_90
 def _requested_dyn_smem(kernel) -> int:
     """Dynamic shared memory the host code requests at launch (the largest int64 constant above
     64 KiB that is a multiple of 128 B in TileLang's generated host source)."""
-    import re
-
     consts = [int(x) for x in re.findall(r"\(\(int64_t\)(\d+)\)", kernel.get_host_source())]
     smem = [c for c in consts if c > 65536 and c % 128 == 0]
     assert smem, "no shared-memory size found in the host source"
@@ -86,8 +85,6 @@ def _drain_writes(src: str, atomic: bool) -> list[str]:
     chunk buffers does: its values read from the buffer into registers (16-byte vectors), the
     buffer freed, then one write per valid slot from those registers under the valid-slot test
     (exp94: none of the chunk's own writes ahead of its free)."""
-    import re
-
     lines = src.splitlines()
     if atomic:
         writes = re.findall(r"AtomicAddx4\(\(&\(dKV\[[^;]*\(&\(drain_vals\[[^;]*;", src)
@@ -181,8 +178,6 @@ def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
     the row's inputs) fails ``0 < row_sum``, which until session 17 turned such rows into empty
     rows (out 0, lse -1e30), finite and invisible to the guard. The GPU test
     ``test_nonfinite_inputs_come_out_nonfinite`` checks the values."""
-    import re
-
     src = _forward_source(kind, heads, R)
     tests = re.findall(r"\(row_sum\w*\[[^\]]*\] != 0x0p\+0f", src)
     # the reciprocal, out and lse (ws: per MMA warpgroup)
@@ -204,8 +199,6 @@ def test_forward_running_max_starts_at_minus_inf(kind, heads, R):
     finite start (-2^30) gave a row whose scores all lay 2048 below it out 0 and an empty row's lse
     (exp51). The GPU test ``test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels``
     checks the values."""
-    import re
-
     src = _forward_source(kind, heads, R)
     assert "0x1p+30f" not in src
     starts = re.findall(r"float broadcast_var_\d+ = (\S+);\n\s*\*\(float2\*\)\(m\d? \+ 0\)", src)
@@ -222,8 +215,6 @@ def test_backward_index_checks_cannot_wrap(ws, heads, R):
     """Every comparison of an index with kv_rows is made in int64: TVM rewrites ``idx < kv_rows - 1``
     into ``idx + 1 < kv_rows``, which in int32 let 2**31 - 1 through to the dKV atomics (session
     17, exp39); the backward reads the caller's indices, so such a value can reach it."""
-    import re
-
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
 
     if ws:
@@ -267,8 +258,6 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
     (a partial wait under its overlapped PV made ptxas serialise every wgmma, session 15); one row
     per block stores out from the dead Q tile in 16-byte stores, row groups from the fragment;
     the setmaxnreg counts fit the 3 x 168 registers per thread given at launch."""
-    import re
-
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_ws_kernel
 
     k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
@@ -313,8 +302,6 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     GEMM; row groups keep them split at d_v, two GEMMs), warpgroup 1 dO V^T (one m64n32 GEMM);
     no GEMM splits the slots between the warpgroups (m64n16) any more. One row per block stores
     dq through the dead Q tile (exp49)."""
-    import re
-
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
 
     k = sparse_mla_bwd_ws_kernel(heads, d_v, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
@@ -372,8 +359,6 @@ def test_warp_specialized_backward_places_its_own_proxy_fences(heads, d_v, R):
     Q / dO tiles (before the block's barrier), P (stmatrix into p_s) and dS (into dp_s), with no
     wgmma between a store and its fence. Other kernels keep the pass: the warp-specialised forward
     still gets its inserted fence before warpgroup 0's P0 V0, and the wrapper is installed once."""
-    import re
-
     import tilelang.cuda.transform as tl_cuda_transform
 
     from glm5_dsa_plugin.ops import tilelang_kernels
