@@ -6,15 +6,10 @@ and W1 H64) is named in ``$OUT/exp104_winner``. Run ``make_exp104.py`` from the 
 first."""
 import os, sys
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pairs_ab import build, new_result, timed_rows, winner
+from pairs_ab import four_shapes_with_gate
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops import _exp104h3, _exp104h5, _exp104k, _exp104o
-OUT = os.environ.get("OUT", ".")
 BWD = {"tree": tk.sparse_mla_bwd_ws_kernel, "exp104h3": _exp104h3.sparse_mla_bwd_ws_kernel,
        "exp104h5": _exp104h5.sparse_mla_bwd_ws_kernel, "exp104o": _exp104o.sparse_mla_bwd_ws_kernel,
        "exp104k": _exp104k.sparse_mla_bwd_ws_kernel}
-build(BWD, ((64, 1, False), (16, 4, False), (8, 8, False)))
-res = new_result()
-path = os.path.join(OUT, "exp104.json")
-timed_rows(BWD, (("W2", 64), ("W1", 64), ("W2", 16), ("W2", 8)), res, path)
-winner(BWD, res, {n: n for n in BWD if n != "tree"}, os.path.join(OUT, "exp104_winner"))
+four_shapes_with_gate(BWD, "exp104", os.environ.get("OUT", "."))

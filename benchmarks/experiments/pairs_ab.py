@@ -5,6 +5,7 @@ function adds rows to ``res`` and rewrites ``path`` (JSON) after every row. (exp
 written before this module took its loops: it printed the same figures in its own words.) Since
 session 29 also the race check of exp95-exp97 (``spread_rows``)."""
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,6 +51,19 @@ def winner(builders: dict, res: dict, regs: dict, path: str) -> str:
     open(path, "w").write(regs.get(best, ""))
     print("winner:", best or "none", flush=True)
     return best
+
+
+def four_shapes_with_gate(builders: dict, name: str, out: str, candidates=None) -> dict:
+    """``builders`` (name -> builder, "tree" first) built at H64, H16 R4 and H8 R8, timed by
+    ``timed_rows`` at W2 / W1 H64 and W2 H16 / H8 into ``{out}/{name}.json``, and the gate's
+    ``winner`` among ``candidates`` (default: every variant) named in ``{out}/{name}_winner``
+    (session 31's exp103-exp105)."""
+    build(builders, ((64, 1, False), (16, 4, False), (8, 8, False)))
+    res = new_result()
+    timed_rows(builders, (("W2", 64), ("W1", 64), ("W2", 16), ("W2", 8)), res, os.path.join(out, f"{name}.json"))
+    names = candidates or [n for n in builders if n != "tree"]
+    winner(builders, res, {n: n for n in names}, os.path.join(out, f"{name}_winner"))
+    return res
 
 
 def deterministic_rows(builders: dict, shapes, res: dict, path: str) -> None:
