@@ -6,8 +6,8 @@ and the MMA warpgroups then wait for free chunk buffers (18% / 28%). P and dS of
 p_s / dp_s until warpgroup 0 writes block i + 1's P, so warpgroup 0 can compute chunk(s) of block
 i after block i + 1's score GEMM and before that write: the drain gets work in the phase where it
 idled, from operands already in shared memory. Chunk numbers and buffers are the tree's; the drain
-takes block i's chunks as warpgroup 0's phase-B chunks and warpgroup 1's four alternately, then
-warpgroup 0's deferred chunk(s), then warpgroup 1's tail. a: one chunk deferred, its GEMMs issued
+takes block i's chunks computed after its dQ GEMMs (warpgroup 0's remaining ones and warpgroup 1's
+four) alternately, then warpgroup 0's deferred chunk(s), then warpgroup 1's tail. a: one chunk deferred, its GEMMs issued
 after the scores' exp2; b: one chunk, its GEMMs issued right behind the score GEMM (waited for
 after exp2), the first block peeled out of the MMA warpgroups' loop (``peeled``); p: the tree
 peeled alone (the control for b). Two deferred chunks spilled 136 bytes (ptxas, sm_90a) and were
