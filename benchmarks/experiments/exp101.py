@@ -6,17 +6,13 @@ relative distance from the tree's at W2 H64 (not bitwise: dS's rounding changes)
 import json, os, sys
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import DV, SCALE, workload
-from pairs_ab import build, new_result, timed_rows
+from pairs_ab import four_shapes
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops import _exp101a, _exp101z
 from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
-OUT = os.environ.get("OUT", ".")
 BWD = {"tree": tk.sparse_mla_bwd_ws_kernel, "exp101z": _exp101z.sparse_mla_bwd_ws_kernel,
        "exp101a": _exp101a.sparse_mla_bwd_ws_kernel}
-build(BWD, ((64, 1, False), (16, 4, False), (8, 8, False)))
-res = new_result()
-path = os.path.join(OUT, "exp101.json")
-timed_rows(BWD, (("W2", 64), ("W1", 64), ("W2", 16), ("W2", 8)), res, path)
+res, path = four_shapes(BWD, "exp101", os.environ.get("OUT", "."))
 q, kv, idx, g = workload("W2", 64, seed=43)
 be = TileLangBackend()
 out, lse, saved = be.forward_saving(q, kv, idx, SCALE, DV)

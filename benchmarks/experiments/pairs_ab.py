@@ -53,14 +53,21 @@ def winner(builders: dict, res: dict, regs: dict, path: str) -> str:
     return best
 
 
+def four_shapes(builders: dict, name: str, out: str, extra_configs=()) -> tuple[dict, str]:
+    """``builders`` (name -> builder, "tree" first) built at H64, H16 R4 and H8 R8 (and
+    ``extra_configs``, e.g. deterministic mode's ``(64, 1, True)``), then timed by ``timed_rows``
+    at W2 / W1 H64 and W2 H16 / H8 into ``{out}/{name}.json``. -> (the result, its path), for the
+    rows a script adds after these (sessions 29-31: exp96 / exp97, exp101, exp103-exp107)."""
+    build(builders, ((64, 1, False), (16, 4, False), (8, 8, False), *extra_configs))
+    res, path = new_result(), os.path.join(out, f"{name}.json")
+    timed_rows(builders, (("W2", 64), ("W1", 64), ("W2", 16), ("W2", 8)), res, path)
+    return res, path
+
+
 def four_shapes_with_gate(builders: dict, name: str, out: str, candidates=None) -> dict:
-    """``builders`` (name -> builder, "tree" first) built at H64, H16 R4 and H8 R8, timed by
-    ``timed_rows`` at W2 / W1 H64 and W2 H16 / H8 into ``{out}/{name}.json``, and the gate's
-    ``winner`` among ``candidates`` (default: every variant) named in ``{out}/{name}_winner``
-    (session 31's exp103-exp105)."""
-    build(builders, ((64, 1, False), (16, 4, False), (8, 8, False)))
-    res = new_result()
-    timed_rows(builders, (("W2", 64), ("W1", 64), ("W2", 16), ("W2", 8)), res, os.path.join(out, f"{name}.json"))
+    """``four_shapes``, then the gate's ``winner`` among ``candidates`` (default: every variant)
+    named in ``{out}/{name}_winner`` (session 31's exp103-exp107)."""
+    res, _ = four_shapes(builders, name, out)
     names = candidates or [n for n in builders if n != "tree"]
     winner(builders, res, {n: n for n in names}, os.path.join(out, f"{name}_winner"))
     return res
