@@ -1,0 +1,16 @@
+"""exp111 (session 32): the one-row backward with its Q and kv tiles split at d_v
+(``make_exp111.py``). 8 alternating rounds through TileLangBackend at W2 / W1 H64, W2 H16 / H8
+(below 64 heads the kernel is the tree's: controls) against the tree (v32), then deterministic
+mode at W2 H64 (bitwise over 3 runs, 4 rounds); the gate's winner (dq bitwise, 1% or more faster
+at W2 and W1 H64) is named in ``$OUT/exp111_winner``. Run ``make_exp111.py`` from the repository
+root first."""
+import os, sys
+sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pairs_ab import deterministic_rows, four_shapes, winner
+from glm5_dsa_plugin.ops import tilelang_kernels as tk
+from glm5_dsa_plugin.ops import _exp111
+OUT = os.environ.get("OUT", ".")
+BWD = {"tree": tk.sparse_mla_bwd_ws_kernel, "exp111": _exp111.sparse_mla_bwd_ws_kernel}
+res, path = four_shapes(BWD, "exp111", OUT, extra_configs=((64, 1, True),))
+deterministic_rows(BWD, (("W2", 64),), res, path)
+winner(BWD, res, {"exp111": "exp111"}, os.path.join(OUT, "exp111_winner"))
