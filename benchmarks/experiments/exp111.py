@@ -6,11 +6,8 @@ at W2 and W1 H64) is named in ``$OUT/exp111_winner``. Run ``make_exp111.py`` fro
 root first."""
 import os, sys
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pairs_ab import deterministic_rows, four_shapes, winner
+from pairs_ab import four_shapes_with_gate
 from glm5_dsa_plugin.ops import tilelang_kernels as tk
 from glm5_dsa_plugin.ops import _exp111
-OUT = os.environ.get("OUT", ".")
 BWD = {"tree": tk.sparse_mla_bwd_ws_kernel, "exp111": _exp111.sparse_mla_bwd_ws_kernel}
-res, path = four_shapes(BWD, "exp111", OUT, extra_configs=((64, 1, True),))
-deterministic_rows(BWD, (("W2", 64),), res, path)
-winner(BWD, res, {"exp111": "exp111"}, os.path.join(OUT, "exp111_winner"))
+four_shapes_with_gate(BWD, "exp111", os.environ.get("OUT", "."), deterministic=(("W2", 64),))

@@ -64,10 +64,14 @@ def four_shapes(builders: dict, name: str, out: str, extra_configs=()) -> tuple[
     return res, path
 
 
-def four_shapes_with_gate(builders: dict, name: str, out: str, candidates=None) -> dict:
-    """``four_shapes``, then the gate's ``winner`` among ``candidates`` (default: every variant)
-    named in ``{out}/{name}_winner`` (session 31's exp103-exp107)."""
-    res, _ = four_shapes(builders, name, out)
+def four_shapes_with_gate(builders: dict, name: str, out: str, candidates=None, deterministic=()) -> dict:
+    """``four_shapes``, then ``deterministic_rows`` at the (workload, H) shapes of ``deterministic``
+    (H = 64 only: built as the extra config), then the gate's ``winner`` among ``candidates``
+    (default: every variant) named in ``{out}/{name}_winner`` (sessions 31-32: exp103-exp111)."""
+    assert all(H == 64 for _, H in deterministic)
+    res, path = four_shapes(builders, name, out, extra_configs=((64, 1, True),) if deterministic else ())
+    if deterministic:
+        deterministic_rows(builders, deterministic, res, path)
     names = candidates or [n for n in builders if n != "tree"]
     winner(builders, res, {n: n for n in names}, os.path.join(out, f"{name}_winner"))
     return res
