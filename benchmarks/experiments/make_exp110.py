@@ -7,7 +7,10 @@ rows, one [rows, 32 columns] sub-tile per half of each 64-column unit, so the tr
 lanes of a quarter warp on one row's 128 bytes) puts each quarter's two 64-byte halves in
 different sub-tiles on the same four banks. Here each quarter warp covers two consecutive rows x
 32 columns of one sub-tile: 128 contiguous bytes, all 32 banks. Only the one-tile kv writes (R =
-1) change; row groups' kv / rope-tail tiles keep the tree's mapping. Run from the repository root."""
+1) change; row groups' kv / rope-tail tiles keep the tree's mapping. Run from the repository root.
+Outcome (call 4): the wavefronts did not move. The LDGSTS write each gathered 128-byte global line
+as one unit, so a line split over two sub-tiles costs two wavefronts whichever lanes fetch it;
+exp111 changes the layout instead."""
 from patching import replace_once
 
 SRC = open("glm5_dsa_plugin/ops/tilelang_kernels.py").read()
