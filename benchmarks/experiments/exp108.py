@@ -22,9 +22,9 @@ from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend  # noqa: E402
 
 for wl in os.environ.get("EXP108_WORKLOADS", "W2,W1").split(","):
     q, kv, idx, g = workload(wl, 64, seed=41)
-    valid = ((idx >= 0) & (idx < kv.shape[1])).sum(-1)  # [1, T, 1] valid slots per row
+    valid = (idx >= 0) & (idx < kv.shape[1])  # [1, T, 1, topk]
     # the backward steps 32 slots, the forward 64-slot blocks, both up to each row's last valid slot
-    last = torch.where((idx >= 0) & (idx < kv.shape[1]), torch.arange(idx.shape[-1], device="cuda") + 1, 0).amax(-1)
+    last = torch.where(valid, torch.arange(idx.shape[-1], device="cuda") + 1, 0).amax(-1)
     print(f"{wl} H64: valid slots {int(valid.sum())}, backward steps {int(((last + 31) // 32).sum())}, "
           f"forward blocks {int(((last + 63) // 64).sum())}", flush=True)
     be = TileLangBackend()
