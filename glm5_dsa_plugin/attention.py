@@ -213,7 +213,8 @@ class GLM5DSAttention(MegatronModule):
                 holder[self.layer_number] = indices
             coeff = self.config.dsa_indexer_loss_coeff or 0.0
             if self.training and coeff > 0 and torch.is_grad_enabled():
-                index_logits = ix.selected_scores(qi, ki, wi, indices)
+                index_logits = ix.selected_scores(qi, ki, wi, indices,
+                                                  deterministic=bool(getattr(self.config, "deterministic_mode", False)))
         else:
             if self.source_layer not in holder:
                 raise RuntimeError(
@@ -224,16 +225,19 @@ class GLM5DSAttention(MegatronModule):
         G = kv_att.shape[1]
         # The indices come from our own top-k. With the guard on, validating them is free (read with
         # the guard's flag); with GLM5_DSA_NONFINITE=off the attention reads no device flag at all.
-        out, _ = sparse_mla(q_att, kv_att, indices[:, None, :].expand(-1, G, -1).contiguous(),
+        out, lse = sparse_mla(q_att, kv_att, indices[:, None, :].expand(-1, G, -1).contiguous(),
                             self.softmax_scale, d_v=d_v, backend=backend, validate=guard_policy() != "off",
                             deterministic=bool(getattr(self.config, "deterministic_mode", False)))  # [b*s, H, d_v]
         if index_logits is not None:
-            out = self._attach_indexer_loss(out, index_logits, q_att, kv_att[:, 0], indices)
+            kv_loss = kv_att[:, 0] if G == 1 else kv_att  # un-absorbed MLA: per-head keys
+            out = self._attach_indexer_loss(out, index_logits, q_att, kv_loss, indices, lse)
         if absorbed:
             out = torch.einsum("thc,hdc->thd", out, up_v_weight.to(out.dtype))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, H * v]
 
-    def _attach_indexer_loss(self, out, index_logits, q_att, kv_att, indices):
+    def _attach_indexer_loss(self, out, index_logits, q_att, kv_att, indices, lse):
+        """The sparse KL loss of megatron-core (``sparse_loss=True``), attached to ``out`` for backward.
+        kv_att [T_kv, D] (absorbed) or [T_kv, H, D]; the target reuses the attention's lse [T, H]."""
         from megatron.core.transformer.experimental_attention_variant.dsa import (
             DSAIndexerLossAutoScaler,
             DSAIndexerLossLoggingHelper,
@@ -246,7 +250,8 @@ class GLM5DSAttention(MegatronModule):
                 torch.distributed.all_reduce(t, group=tp_group)
                 return t
         loss = ix.indexer_kl_loss(index_logits, q_att.detach(), kv_att.detach(), indices,
-                                  self.softmax_scale, self.config.dsa_indexer_loss_coeff, head_sum_reduce=reduce)
+                                  self.softmax_scale, self.config.dsa_indexer_loss_coeff, head_sum_reduce=reduce,
+                                  lse=lse.detach())
         if torch.cuda.is_available():
             DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, self.config.num_layers)
         self.last_indexer_loss = loss.detach()

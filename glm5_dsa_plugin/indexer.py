@@ -146,33 +146,70 @@ def deterministic_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return idx
 
 
+def score_keys(scores: torch.Tensor) -> torch.Tensor:
+    """scores [C, T_kv] fp32 (-inf where invisible) -> int64 keys whose descending order is the
+    top-k order of :func:`deterministic_topk`: the order-preserving integer image of the score in the
+    high 32 bits (``-0.0`` folded into ``+0.0``), ``T_kv - 1 - s`` in the low 32 bits (lower key index
+    wins a tie), and ``INVISIBLE_KEY`` for -inf. Distinct for distinct keys, so one ``topk`` is exact."""
+    n = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    low = (n - 1 - torch.arange(n, device=scores.device, dtype=torch.int64))
+    keys = (ordered.to(torch.int64) << 32) | low
+    return keys.masked_fill(scores == float("-inf"), INVISIBLE_KEY)
+
+
+INVISIBLE_KEY = -(1 << 63)
+
+
+def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
+    """keys [C, T_kv] int64 from :func:`score_keys` -> indices [C, topk] int32, highest first, -1 last."""
+    C, n = keys.shape
+    k_eff = min(topk, n)
+    vals, idx = keys.topk(k_eff, dim=-1, sorted=True)
+    idx = torch.where(vals == INVISIBLE_KEY, torch.full_like(idx, PAD_INDEX), idx).to(torch.int32)
+    if topk > k_eff:
+        idx = torch.nn.functional.pad(idx, (0, topk - k_eff), value=PAD_INDEX)
+    return idx
+
+
+_KEY_CHUNK_BYTES = 1 << 29  # int64 keys of one row block on a GPU (the only O(rows x T_kv) buffer)
+
+
 def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vis: Visibility,
                 chunk_rows: int | None = None, check: bool = True) -> torch.Tensor:
     """Indices [T, topk] int32 in packed kv coordinates, chunked over query rows.
 
-    Every emitted index is visible to its row (same sequence, not in the future) and < T_kv;
-    -1 fills the slots a row cannot use. ``check`` verifies all of that before returning (three
-    host reads and a sort; a violation is a bug here, raised). The attention module passes
-    ``check=False``: these hold by construction (tested), and ``sparse_mla`` validates the index
-    range right after, so nothing out of range ever reaches a kernel."""
+    Same result as :func:`deterministic_topk` of the masked scores (highest score first, ties to the
+    lower key index, -1 last). Every emitted index is visible to its row (same sequence, not in the
+    future) and < T_kv; -1 fills the slots a row cannot use. ``check`` verifies all of that before
+    returning (three host reads and a sort; a violation is a bug here, raised). The attention module
+    passes ``check=False``: these hold by construction (tested), and ``sparse_mla`` validates the index
+    range right after, so nothing out of range ever reaches a kernel. Memory: one block of rows x T_kv
+    int64 keys at a time (512 MiB on a GPU), nothing of size T x T_kv."""
     T, Hi, _ = q.shape
     n = k.shape[0]
     out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
-    budget = _CHUNK_ELEMS * (8 if q.is_cuda else 1)  # larger chunks on a GPU: fewer, bigger launches
-    c = chunk_rows or max(1, budget // max(1, Hi * n))
     use_triton = q.is_cuda and _triton_scores_ok()
+    if chunk_rows:
+        c = chunk_rows
+    elif use_triton:
+        c = max(1, _KEY_CHUNK_BYTES // (8 * max(1, n)))
+    else:
+        c = max(1, _CHUNK_ELEMS // max(1, Hi * n))
     qidx = vis.qidx
     with torch.no_grad():
         for t0 in range(0, T, c):
             t1 = min(T, t0 + c)
-            sc = None
+            keys = None
             if use_triton:
-                sc = _triton_scores(q[t0:t1], k, w[t0:t1], vis.query_seq[t0:t1], vis.query_pos[t0:t1], qidx[t0:t1],
-                                    vis.key_seq, vis.key_pos)
-            if sc is None:
+                keys = _triton_scores(q[t0:t1], k, w[t0:t1], vis.query_seq[t0:t1], vis.query_pos[t0:t1],
+                                      qidx[t0:t1], vis.key_seq, vis.key_pos)
+            if keys is None:
                 sc = index_scores(q[t0:t1], k, w[t0:t1])
-                sc = sc.masked_fill(~vis.mask(slice(t0, t1)), float("-inf"))
-            out[t0:t1] = deterministic_topk(sc, topk)
+                keys = score_keys(sc.masked_fill(~vis.mask(slice(t0, t1)), float("-inf")))
+            out[t0:t1] = topk_from_keys(keys, topk)
+            del keys
     if check:
         check_topk(out, vis)
     return out
@@ -193,11 +230,11 @@ def _triton_scores_ok() -> bool:
 
 
 def _triton_scores(q, k, w, qs, qp, qi, ks, kp):
-    """Fused masked scores, or None (after one warning) if the kernel cannot run here."""
+    """Fused masked top-k keys, or None (after one warning) if the kernel cannot run here."""
     from . import indexer_triton
 
     try:
-        return indexer_triton.masked_index_scores(q, k, w, qs, qp, qi, ks, kp)
+        return indexer_triton.masked_index_scores(q, k, w, qs, qp, qi, ks, kp, keys=True)
     except Exception as exc:  # noqa: BLE001 - a performance path: fall back to the exact torch path
         import warnings
 
@@ -227,8 +264,8 @@ def check_topk(indices: torch.Tensor, vis: Visibility) -> None:
         raise RuntimeError(f"indexer selected a key twice in row {t}")
 
 
-def selected_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Differentiable indexer logits at the selected slots: [T, topk] fp32, -inf at padding."""
+def selected_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The PyTorch definition of :func:`selected_scores` (gathers [T, K, Di]; for tests and CPU)."""
     valid = indices >= 0
     ks = k[indices.clamp(min=0).long()]  # [T, K, Di]
     s = torch.einsum("thd,tkd->thk", q.float(), ks.float()) * (q.shape[-1] ** -0.5)
@@ -236,33 +273,145 @@ def selected_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: 
     return sc.masked_fill(~valid, float("-inf"))
 
 
+class _SelectedScores(torch.autograd.Function):
+    """Triton forward / backward of the selected-slot scores (``indexer_slots_triton``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, w, indices):
+        from . import indexer_slots_triton as kern
+
+        ctx.save_for_backward(q, k, w, indices)
+        return kern.slot_scores_forward(q, k, w, indices)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from . import indexer_slots_triton as kern
+
+        q, k, w, indices = ctx.saved_tensors
+        dq, dk, dw = kern.slot_scores_backward(q, k, w, indices, grad)
+        return dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype), None
+
+
+def selected_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor,
+                    deterministic: bool = False) -> torch.Tensor:
+    """Differentiable indexer logits at the selected slots: [T, topk] fp32, -inf at padding.
+
+    q [T, Hi, Di], k [T_kv, Di], w [T, Hi], indices [T, topk] int32 (-1 padding). On CUDA the Triton
+    kernels compute it and its gradients without gathering [T, topk, Di] (dk accumulated in fp32
+    atomics); ``deterministic`` (or a CPU tensor) takes the PyTorch definition instead, whose
+    gradient is reproducible under ``torch.use_deterministic_algorithms`` but O(T x topk x Di)."""
+    if q.is_cuda and not deterministic and _triton_scores_ok():
+        return _SelectedScores.apply(q, k, w, indices.to(torch.int32).contiguous())
+    return selected_scores_reference(q, k, w, indices)
+
+
 # --------------------------------------------------------------------------- loss
+def attention_target_reference(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                               chunk_rows: int = 1024) -> torch.Tensor:
+    """Head-summed attention probabilities at the selected slots, fp32 [T, K], 0 at padding.
+
+    query [T, H, D], kv [T_kv, D] (or [T_kv, G, D]: head h reads group h // (H // G)):
+    p[t, j] = sum_h softmax_j(sm_scale * query[t, h] . kv[idx[t, j]]).
+    PyTorch definition, in row blocks of ``chunk_rows`` ([chunk, K, G, D] gathered at a time)."""
+    T, K = indices.shape
+    H = query.shape[1]
+    kv = kv if kv.dim() == 3 else kv[:, None]
+    G = kv.shape[1]
+    out = torch.zeros(T, K, dtype=torch.float32, device=query.device)
+    with torch.no_grad():
+        for t0 in range(0, T, chunk_rows):
+            t1 = min(T, t0 + chunk_rows)
+            idx = indices[t0:t1]
+            valid = idx >= 0
+            kv_sel = kv[idx.clamp(min=0).long()].float()  # [c, K, G, D]
+            qg = query[t0:t1].float().view(t1 - t0, G, H // G, -1)
+            att = torch.einsum("tgrd,tkgd->tgrk", qg, kv_sel).reshape(t1 - t0, H, K) * sm_scale
+            att = att.masked_fill(~valid[:, None, :], float("-inf"))
+            has = valid.any(-1)[:, None, None]
+            att = torch.where(has, torch.softmax(torch.where(has, att, torch.zeros_like(att)), dim=-1),
+                              torch.zeros_like(att))
+            out[t0:t1] = att.sum(1)
+    return out
+
+
+def attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                     lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Head-summed attention probabilities at the selected slots, fp32 [T, K] (see
+    :func:`attention_target_reference`). With the attention forward's ``lse`` [T, H] on CUDA a Triton
+    kernel computes each slot's probabilities directly, exp(s - lse), streaming selected kv rows."""
+    if lse is not None and kv.dim() == 2 and query.is_cuda and _triton_scores_ok():
+        from .attention_target_triton import head_prob_sum
+
+        return head_prob_sum(query, kv, lse, indices.to(torch.int32).contiguous(), sm_scale)
+    return attention_target_reference(query, kv, indices, sm_scale)
+
+
+class _IndexerKL(torch.autograd.Function):
+    """sum_t KL(target_t || softmax(logits_t)) over valid slots; the gradient in row blocks."""
+
+    @staticmethod
+    def forward(ctx, logits, target, valid, chunk_rows, eps):
+        ctx.save_for_backward(logits, target, valid)
+        ctx.chunk_rows = chunk_rows
+        total = logits.new_zeros(())
+        for t0 in range(0, logits.shape[0], chunk_rows):
+            sl = slice(t0, t0 + chunk_rows)
+            logp = _masked_log_softmax(logits[sl], valid[sl])
+            p = target[sl]
+            total += (p * (torch.log(p.clamp_min(eps)) - logp)).masked_fill(~valid[sl], 0.0).sum()
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, target, valid = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for t0 in range(0, logits.shape[0], ctx.chunk_rows):
+            sl = slice(t0, t0 + ctx.chunk_rows)
+            q = _masked_log_softmax(logits[sl], valid[sl]).exp().masked_fill(~valid[sl], 0.0)
+            p = target[sl]
+            grad[sl] = (q * p.sum(-1, keepdim=True) - p) * g
+        return grad, None, None, None, None
+
+
+def _masked_log_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """log_softmax over valid slots (0 at invalid ones and in rows without a valid slot)."""
+    x = logits.masked_fill(~valid, float("-inf"))
+    m = x.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    lse = torch.log(torch.exp(x - m).sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)) + m
+    return (x - lse).masked_fill(~valid, 0.0)
+
+
+def indexer_kl_loss_from_target(index_logits: torch.Tensor, target: torch.Tensor, indices: torch.Tensor,
+                                coeff: float, eps: float = 1e-10, chunk_rows: int = 4096) -> torch.Tensor:
+    """coeff * mean over query rows of KL(normalise(target) || softmax(index_logits)) on valid slots.
+
+    index_logits [T, K] fp32 (differentiable), target [T, K] head-summed probabilities (already
+    reduced over TP ranks), indices [T, K] (-1 padding). Rows without a valid slot count in the mean
+    with KL 0. Nothing beyond [T, K] tensors is formed; the gradient is computed in row blocks."""
+    valid = indices >= 0
+    with torch.no_grad():
+        tgt = target.float().masked_fill(~valid, 0.0)
+        tgt = tgt / tgt.sum(-1, keepdim=True).clamp_min(eps)
+    kl = _IndexerKL.apply(index_logits.float(), tgt, valid, chunk_rows, eps)
+    return kl / max(index_logits.shape[0], 1) * coeff
+
+
 def indexer_kl_loss(index_logits: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                    sm_scale: float, coeff: float, eps: float = 1e-10, head_sum_reduce=None) -> torch.Tensor:
+                    sm_scale: float, coeff: float, eps: float = 1e-10, head_sum_reduce=None,
+                    lse: torch.Tensor | None = None) -> torch.Tensor:
     """KL(target || indexer) over the selected slots, averaged over query rows, times ``coeff``.
 
     index_logits [T, K] (indexer scores at the slots, -inf at padding, differentiable);
-    query [T, H, D] and kv [T_kv, D] the attention q / latent kv (detached here);
+    query [T, H, D] and kv [T_kv, D] the attention q / latent kv (not differentiated);
     target = normalise(sum_h softmax_h(sm_scale * q_h . kv[idx])) over valid slots.
     Same value as megatron-core 0.19.2 ``compute_dsa_indexer_loss(..., sparse_loss=True)``.
     ``head_sum_reduce`` (e.g. a TP all-reduce) is applied to the head-summed target when the
-    heads are split over ranks."""
-    valid = indices >= 0
-    with torch.no_grad():
-        kv_sel = kv[indices.clamp(min=0).long()].float()  # [T, K, D]
-        att = torch.einsum("thd,tkd->thk", query.float(), kv_sel) * sm_scale
-        att = att.masked_fill(~valid[:, None, :], float("-inf"))
-        has = valid.any(-1)[:, None, None]
-        att = torch.where(has, torch.softmax(torch.where(has, att, torch.zeros_like(att)), dim=-1), torch.zeros_like(att))
-        target = att.sum(1)
-        if head_sum_reduce is not None:
-            target = head_sum_reduce(target)
-        target = target / target.sum(-1, keepdim=True).clamp_min(eps)
-    logits = index_logits.masked_fill(~valid, torch.finfo(torch.float32).min)
-    logits = torch.where(valid.any(-1, keepdim=True), logits, torch.zeros_like(logits))
-    logp = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
-    kl = (target * (torch.log(target.clamp_min(eps)) - logp)).masked_fill(~valid, 0.0).sum(-1)
-    return kl.sum() / max(kl.numel(), 1) * coeff
+    heads are split over ranks. ``lse`` [T, H]: the attention forward's, for the fused target."""
+    target = attention_target(query.detach(), kv.detach(), indices, sm_scale, lse=lse)
+    if head_sum_reduce is not None:
+        target = head_sum_reduce(target)
+    return indexer_kl_loss_from_target(index_logits, target, indices, coeff, eps=eps)
 
 
 # --------------------------------------------------------------------------- index sharing

@@ -31,12 +31,25 @@ def test_topk_bounds_ties_and_order(T, topk, levels, scale, seed):
     got = ix.deterministic_topk(scores, topk)
     assert got.shape == (T, topk) and got.dtype == torch.int32
     assert torch.equal(got, brute_topk(scores, topk))
+    # the packed-key top-k that select_topk runs is the same function
+    assert torch.equal(ix.topk_from_keys(ix.score_keys(scores), topk), got)
     ix.check_topk(got, vis)
     n_valid = (got >= 0).sum(-1)
     assert torch.equal(n_valid, torch.clamp(torch.arange(T) + 1, max=topk))
     # valid slots first
     first_pad = torch.where(got < 0, torch.arange(topk), topk).amin(-1)
     assert torch.equal(first_pad, n_valid)
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 30), topk=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_key_topk_on_signed_scores_and_signed_zeros(T, topk, seed):
+    """Negative scores, +0.0 and -0.0 (equal as floats, so tied by index) through the packed keys."""
+    gen = torch.Generator().manual_seed(seed)
+    vals = torch.tensor([-3.0, -1e-30, -0.0, 0.0, 1e-30, 2.5, float("inf")])
+    scores = vals[torch.randint(0, len(vals), (T, T), generator=gen)]
+    scores = scores.masked_fill(~ix.Visibility.causal(T).mask(), float("-inf"))
+    assert torch.equal(ix.topk_from_keys(ix.score_keys(scores), topk), brute_topk(scores, topk))
 
 
 def test_check_topk_rejects_bad_indices():
@@ -176,7 +189,12 @@ def test_indexer_loss_equals_megatron_core():
     theirs = compute_dsa_indexer_loss(dense[None].clone(), idx[None].long(), q[:, None], kv[:, None, None].expand(T, 1, H, D),
                                       0.2, 0.001, True, pg)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-9)
-    # gradient flows to the indexer side only
+    # gradient flows to the indexer side only, and equals megatron-core's at the selected slots
     logits.requires_grad_(True)
     ix.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001).backward()
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    dense_leaf = dense[None].clone().requires_grad_(True)
+    compute_dsa_indexer_loss(dense_leaf * 1.0, idx[None].long(), q[:, None], kv[:, None, None].expand(T, 1, H, D),
+                             0.2, 0.001, True, pg).backward()
+    want = dense_leaf.grad[0].gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0.0)
+    torch.testing.assert_close(logits.grad.masked_fill(idx < 0, 0.0), want, rtol=1e-5, atol=1e-10)
