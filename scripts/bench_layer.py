@@ -1,0 +1,398 @@
+"""Check and time one GLM-5 DSA transformer layer: ours against megatron-core 0.19.2's own DSA layer.
+
+The layer is full-width GLM-5 (hidden 6144, 64 heads, q_lora 2048, kv_lora 512, indexer 32 x 128,
+top-k 2048; dense: ffn 12288; MoE: the 744B's expert shape with fewer experts so it fits one GPU),
+bf16, TP 1, local linears, indexer loss on. Three implementations, same weights, same run:
+
+    ours          glm5_dsa_plugin.spec's layer (our indexer, loss and sparse_mla)
+    mcore_sparse  megatron-core's layer from ``get_dsa_module_spec_for_backend`` with its TileLang
+                  kernels and ``dsa_indexer_use_sparse_loss=True`` (the loss ours computes)
+    mcore_dense   the same with megatron-core's default dense indexer loss
+
+Per (layer, T, impl): fwd and fwd+bwd ms (median of CUDA-event timings), peak GiB allocated during
+fwd+bwd (weights and their grads included), model TFLOP/s over fwd+bwd, and for ours a breakdown
+(each part timed alone at the layer's shapes; ``projections_mlp`` is the layer minus the parts).
+An out-of-memory or other failure is a row with ``error`` set. Before timing, ours is checked against
+megatron-core's layer with the same indices (both built as index-reusing layers and handed the same
+top-k): output and every gradient.
+
+Model FLOPs (fwd + bwd = 3 x fwd for every matmul with a gradient): linears 2 * T * params; sparse
+attention 2 * T * topk * H * (576 + 512); indexer scoring (forward only, causal half) T^2 * Hi * Di;
+indexer loss 3 * 2 * T * topk * Hi * Di + 2 * T * topk * H * 576; MoE counts the routed experts a
+token visits plus the shared expert.
+
+    python scripts/bench_layer.py                        # H200: JSON + chart under benchmarks/results/
+    python scripts/bench_layer.py --tiny --device cpu    # a CPU smoke run of the whole script
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GLM5 = dict(hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+            qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128, index_topk=2048,
+            intermediate_size=12288, moe_intermediate_size=2048, n_routed_experts=32, num_experts_per_tok=8,
+            n_shared_experts=1)
+TINY = dict(hidden_size=128, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+            qk_rope_head_dim=32, v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=16,
+            intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1)
+
+
+def make_config(dims, layer: str, impl: str, device: str, reuse: bool = False):
+    from glm5_dsa_plugin import cards
+
+    card = cards.with_overrides(cards.load_card("glm5"), **dims, num_hidden_layers=2 if reuse else 1,
+                                first_k_dense_replace=0 if layer == "moe" else 2,
+                                index_topk_freq=2 if reuse else 1, index_skip_topk_offset=1 if reuse else 0)
+    over = dict(params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=device == "cpu",
+                moe_token_dispatcher_type="allgather", mtp_num_layers=None, moe_router_enable_expert_bias=False,
+                dsa_indexer_use_sparse_loss=impl != "mcore_dense")
+    if impl.startswith("mcore") and device == "cuda":
+        over["dsa_kernel_backend"] = "tilelang"
+    try:
+        return cards.card_to_transformer_config(card, **over)
+    except TypeError:  # a config without one of the optional fields
+        over.pop("dsa_indexer_use_sparse_loss")
+        return cards.card_to_transformer_config(card, **over)
+
+
+def build_layer(cfg, layer: str, impl: str, layer_number: int = 1):
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
+    from megatron.core.transformer.spec_utils import build_module, ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from glm5_dsa_plugin import spec
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    subs = spec.layer_submodules(cfg, layer == "moe", spec._LocalProvider())
+    if impl != "ours":
+        subs = copy.copy(subs)
+        attn = get_dsa_module_spec_for_backend(cfg, spec._LocalProvider())
+        # without TransformerEngine, AbsorbedMLASelfAttention takes its down projections only as
+        # ColumnParallelLinear (as our spec builds them); everything else is megatron-core's spec
+        attn.submodules.linear_q_down_proj = ColumnParallelLinear
+        attn.submodules.linear_kv_down_proj = ColumnParallelLinear
+        subs.self_attention = attn
+    return build_module(ModuleSpec(module=TransformerLayer, submodules=subs), config=cfg, layer_number=layer_number)
+
+
+def model_flops(dims, layer: str, T: int) -> float:
+    d = dims
+    h, H = d["hidden_size"], d["num_attention_heads"]
+    qk = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+    lin = (h * d["q_lora_rank"] + d["q_lora_rank"] * H * qk + h * (d["kv_lora_rank"] + d["qk_rope_head_dim"])
+           + d["kv_lora_rank"] * H * (d["qk_nope_head_dim"] + d["v_head_dim"]) + H * d["v_head_dim"] * h
+           + d["q_lora_rank"] * d["index_n_heads"] * d["index_head_dim"] + h * d["index_head_dim"]
+           + h * d["index_n_heads"])
+    if layer == "dense":
+        lin += 3 * h * d["intermediate_size"]
+    else:
+        lin += 3 * h * d["moe_intermediate_size"] * (d["num_experts_per_tok"] + d["n_shared_experts"])
+        lin += h * d["n_routed_experts"]
+    K = min(d["index_topk"], T)
+    dqk, dv = d["kv_lora_rank"] + d["qk_rope_head_dim"], d["kv_lora_rank"]
+    attn = 2 * T * K * H * (dqk + dv)
+    idx_score = T * T * d["index_n_heads"] * d["index_head_dim"]
+    idx_loss = 3 * 2 * T * K * d["index_n_heads"] * d["index_head_dim"] + 2 * T * K * H * dqk
+    return 3 * (2 * T * lin + attn) + idx_score + idx_loss
+
+
+def timed(fn, warmup: int, rep: int, device: str) -> float:
+    for _ in range(warmup):
+        fn()
+    if device != "cuda":
+        t = []
+        for _ in range(rep):
+            t0 = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(t)
+    times = []
+    for _ in range(rep):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def layer_steps(lay, x, grad):
+    def fwd():
+        with torch.no_grad():
+            lay(hidden_states=x, attention_mask=None)
+
+    def fwd_bwd():
+        out = lay(hidden_states=x, attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad)
+        for p in lay.parameters():
+            p.grad = None
+        for m in lay.modules():
+            if hasattr(m, "main_grad"):
+                m.main_grad = None
+    return fwd, fwd_bwd
+
+
+def reset_index_holders(cfg):
+    for attr in ("_glm5_dsa_index_share_holder", "_dsa_index_share_topk_holder",
+                 "_dsa_index_share_topk_length_holder"):
+        if hasattr(cfg, attr):
+            delattr(cfg, attr)
+
+
+def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
+    """Each DSA part of our layer timed alone at the layer's shapes (fwd + bwd where it has one)."""
+    from glm5_dsa_plugin import indexer as ix
+    from glm5_dsa_plugin.ops import sparse_mla
+
+    attn = lay.self_attention
+    core = attn.core_attention
+    T = x.shape[0]
+    H, dqk, dv = dims["num_attention_heads"], dims["kv_lora_rank"] + dims["qk_rope_head_dim"], dims["kv_lora_rank"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    xs = x[:, 0].detach()
+    qr = torch.randn(T, dims["q_lora_rank"], device=device, dtype=x.dtype, generator=gen)
+    vis = ix.Visibility.causal(T, device=device)
+    out = {}
+    with torch.no_grad():
+        qi, ki, wi = core.indexer.qkw(xs, qr, vis.query_pos)
+
+    def indexer_proj():
+        a, b, c = core.indexer.qkw(xs.requires_grad_(False), qr, vis.query_pos)
+        (a.float().sum() + b.float().sum() + c.float().sum()).backward()
+    out["indexer"] = timed(indexer_proj, warmup, rep, device)
+    out["topk"] = timed(lambda: ix.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False), warmup, rep, device)
+    idx = ix.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False)
+    q = (torch.randn(T, H, dqk, device=device, generator=gen) * 0.5).to(x.dtype).requires_grad_(True)
+    kv = (torch.randn(T, 1, dqk, device=device, generator=gen) * 0.5).to(x.dtype).requires_grad_(True)
+    g = torch.randn(T, H, dv, device=device, generator=gen).to(x.dtype)
+
+    def mla():
+        o, _ = sparse_mla(q, kv, idx[:, None], core.softmax_scale, d_v=dv, backend=core.backend, validate=False)
+        o.backward(g)
+    out["sparse_mla"] = timed(mla, warmup, rep, device)
+    with torch.no_grad():
+        _, lse = sparse_mla(q, kv, idx[:, None], core.softmax_scale, d_v=dv, backend=core.backend, validate=False)
+    qil, kil, wil = (t.detach().requires_grad_(True) for t in (qi, ki, wi))
+
+    def loss():
+        logits = ix.selected_scores(qil, kil, wil, idx)
+        ix.indexer_kl_loss(logits, q.detach(), kv.detach()[:, 0], idx, core.softmax_scale, 1e-3, lse=lse).backward()
+    out["indexer_loss"] = timed(loss, warmup, rep, device)
+    return out
+
+
+def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
+    """Ours vs megatron-core's layer as index-reusing layers handed the same top-k: output and grads."""
+    from glm5_dsa_plugin import indexer as ix
+
+    cfgs = {impl: make_config(dims, layer, impl, device, reuse=True) for impl in ("ours", "mcore_sparse")}
+    torch.manual_seed(0)
+    ours = build_layer(cfgs["ours"], layer, "ours", layer_number=2).to(device)
+    theirs = build_layer(cfgs["mcore_sparse"], layer, "mcore_sparse", layer_number=2).to(device)
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+    missing = [m for m in missing if not m.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"state dicts differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
+    iq = torch.randn(T, 4, 32, device=device, generator=gen)
+    ik, iw = torch.randn(T, 32, device=device, generator=gen), torch.randn(T, 4, device=device, generator=gen)
+    idx = ix.select_topk(iq, ik, iw, dims["index_topk"], ix.Visibility.causal(T, device=device))
+    grad = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
+    res = {}
+    for name, lay, cfg in (("ours", ours, cfgs["ours"]), ("mcore", theirs, cfgs["mcore_sparse"])):
+        reset_index_holders(cfg)
+        setattr(cfg, "_glm5_dsa_index_share_holder", {1: idx})
+        setattr(cfg, "_dsa_index_share_topk_holder", {1: idx[None]})
+        lay.train()
+        xx = x.clone().requires_grad_(True)
+        out = lay(hidden_states=xx, attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad)
+        res[name] = (out.detach().float(), xx.grad.float(),
+                     {n: p.grad.float() for n, p in lay.named_parameters() if p.grad is not None})
+        reset_index_holders(cfg)
+    (o1, x1, g1), (o2, x2, g2) = res["ours"], res["mcore"]
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    grads = {n: rel(g1[n], g2[n]) for n in g2 if n in g1 and g2[n].norm() > 0}
+    worst = max(grads.items(), key=lambda kv: kv[1]) if grads else (None, 0.0)
+    return dict(layer=layer, T=T, out_rel=rel(o1, o2), dx_rel=rel(x1, x2), worst_param_grad=worst[0],
+                worst_param_grad_rel=worst[1], params_compared=len(grads),
+                params_only_one_side=sorted(set(g1) ^ set(g2)))
+
+
+def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
+    row = dict(layer=layer, T=T, impl=impl, fwd_ms=None, fwd_bwd_ms=None, peak_gib=None, tflops=None,
+               breakdown=None, error=None)
+    lay = None
+    try:
+        cfg = make_config(dims, layer, impl, device)
+        torch.manual_seed(0)
+        lay = build_layer(cfg, layer, impl).to(device)
+        lay.train()
+        gen = torch.Generator(device=device).manual_seed(1)
+        x = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
+        x.requires_grad_(True)
+        grad = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
+        fwd, fwd_bwd = layer_steps(lay, x, grad)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        fwd_bwd()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["fwd_ms"] = timed(fwd, warmup, rep, device)
+        row["fwd_bwd_ms"] = timed(fwd_bwd, warmup, rep, device)
+        row["tflops"] = model_flops(dims, layer, T) / (row["fwd_bwd_ms"] * 1e-3) / 1e12
+        if breakdown and impl == "ours":
+            parts = breakdown_ours(lay, x, dims, device, warmup, rep)
+            parts["projections_mlp"] = max(0.0, row["fwd_bwd_ms"] - sum(parts.values()))
+            row["breakdown"] = parts
+    except Exception as exc:  # noqa: BLE001 - an out-of-memory is a row, not a crash
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        if not isinstance(exc, torch.OutOfMemoryError):
+            traceback.print_exc()
+    finally:
+        del lay
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def chart(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, layer in zip(axes, ("dense", "moe")):
+        rows = [r for r in result["rows"] if r["layer"] == layer]
+        Ts = sorted({r["T"] for r in rows})
+        impls = ["ours", "mcore_sparse", "mcore_dense"]
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            vals = [next((r["fwd_bwd_ms"] or 0.0 for r in rows if r["T"] == T and r["impl"] == impl), 0.0) for T in Ts]
+            bars = ax.bar([j + i * width for j in range(len(Ts))], vals, width, label=impl)
+            for b, T in zip(bars, Ts):
+                r = next((r for r in rows if r["T"] == T and r["impl"] == impl), None)
+                if r is not None and r["error"]:
+                    ax.text(b.get_x() + width / 2, 0, "OOM" if "OutOfMemory" in r["error"] else "err",
+                            ha="center", va="bottom", fontsize=7, rotation=90)
+        ax.set_xticks([j + width for j in range(len(Ts))], [f"T={T // 1024}K" for T in Ts])
+        ax.set_yscale("log")
+        ax.set_ylabel("layer fwd+bwd ms (log)")
+        ax.set_title(f"GLM-5 {layer} layer, {result['gpu']}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for p in ("torch", "triton", "tilelang", "megatron-core", "transformers", "glm5-dsa-plugin"):
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", default="4096,16384,65536", help="comma-separated token counts")
+    ap.add_argument("--layers", default="dense,moe")
+    ap.add_argument("--impls", default="ours,mcore_sparse,mcore_dense")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run of the script)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rep", type=int, default=5)
+    ap.add_argument("--check-T", type=int, default=4096, help="T of the same-indices check (0: skip)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_layer.json"))
+    ap.add_argument("--chart", default=None, help="PNG path (default: beside --out)")
+    ap.add_argument("--chart-only", action="store_true", help="redraw the chart of an existing --out JSON")
+    ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining rows after this many seconds")
+    a = ap.parse_args(argv)
+    png = a.chart or os.path.splitext(a.out)[0] + ".png"
+    if a.chart_only:
+        with open(a.out) as f:
+            chart(json.load(f), png)
+        return 0
+    t_start = time.time()
+
+    from megatron.core import parallel_state as ps
+    import torch.distributed as dist
+
+    if a.device == "cpu" and not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"  # megatron-core asks for it while building RoPE
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl" if a.device == "cuda" else "gloo", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+
+    dims = TINY if a.tiny else GLM5
+    Ts = [int(t) for t in a.T.split(",")]
+    result = dict(gpu=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", versions=versions(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  dims=dims, checks=[], rows=[])
+    if a.check_T:
+        for layer in a.layers.split(","):
+            try:
+                result["checks"].append(check_same_indices(dims, layer, min(a.check_T, Ts[0]) if a.tiny else a.check_T,
+                                                           a.device))
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                result["checks"].append(dict(layer=layer, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            print("check:", result["checks"][-1], flush=True)
+    for T in Ts:
+        for layer in a.layers.split(","):
+            for impl in a.impls.split(","):
+                if a.budget_s and time.time() - t_start > a.budget_s:
+                    row = dict(layer=layer, T=T, impl=impl, fwd_ms=None, fwd_bwd_ms=None, peak_gib=None,
+                               tflops=None, breakdown=None, error="not run: time budget spent")
+                else:
+                    row = run_one(dims, layer, T, impl, a.device, a.warmup, a.rep, breakdown=True)
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                os.makedirs(os.path.dirname(a.out), exist_ok=True)
+                with open(a.out, "w") as f:
+                    json.dump(result, f, indent=1)
+    try:
+        chart(result, png)
+    except ImportError as exc:
+        print("no chart:", exc)
+    print(f"\n{'layer':6} {'T':>6} {'impl':13} {'fwd ms':>9} {'f+b ms':>9} {'peak GiB':>9} {'TF/s':>6}  error")
+    for r in result["rows"]:
+        f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+        print(f"{r['layer']:6} {r['T']:>6} {r['impl']:13} {f(r['fwd_ms']):>9} {f(r['fwd_bwd_ms']):>9} "
+              f"{f(r['peak_gib'], 2):>9} {f(r['tflops'], 0):>6}  {(r['error'] or '')[:60]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
