@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""H200 proof for the launchers: 50 steps each (LoRA, PPO, MTP) of a small GLM-5-shaped model with the
-TileLang backend; writes per-step JSON lines and a summary under --out."""
+"""H200 proof for the launchers: 50 steps each (LoRA, PPO, MTP) of a small 4-layer GLM-5-shaped model
+(GLM-5's indexer: 32 heads x 128, top-k 2048; narrow trunk) with the TileLang backend, at each
+``--seq-len`` (default 4096 and 16384 tokens per sequence); per-step JSON lines and a summary under --out."""
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -11,8 +13,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from glm5_dsa_plugin import jobs  # noqa: E402
 
 SMALL = {"hidden_size": 512, "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 256,
-         "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "index_n_heads": 8,
-         "index_head_dim": 64, "index_topk": 128, "intermediate_size": 1024, "moe_intermediate_size": 256,
+         "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "index_n_heads": 32,
+         "index_head_dim": 128, "index_topk": 2048, "intermediate_size": 1024, "moe_intermediate_size": 256,
          "n_routed_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4, "first_k_dense_replace": 1,
          "vocab_size": 1024}
 
@@ -23,27 +25,29 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="tilelang")
-    ap.add_argument("--seq-len", default="512")
+    ap.add_argument("--seq-len", default="4096,16384", help="comma-separated sequence lengths")
+    ap.add_argument("--jobs", default="lora,ppo,mtp")
     a = ap.parse_args()
     over = sum((["--card-override", f"{k}={json.dumps(v)}"] for k, v in SMALL.items()), [])
-    common = ["--card", "tiny", "--backend", a.backend, "--device", a.device, "--seq-len", a.seq_len, "--batch-size", "4",
-              "--steps", str(a.steps), "--lr", "3e-4"] + over
     summary = {}
-    for job, main in (("lora", jobs.lora_main), ("ppo", jobs.ppo_main), ("mtp", jobs.mtp_main)):
-        log = os.path.join(a.out, f"launcher_{job}.jsonl")
+    mains = {"lora": jobs.lora_main, "ppo": jobs.ppo_main, "mtp": jobs.mtp_main}
+    for seq, job in itertools.product(a.seq_len.split(","), a.jobs.split(",")):
+        common = ["--card", "tiny", "--backend", a.backend, "--device", a.device, "--seq-len", seq,
+                  "--batch-size", str(max(1, 8192 // int(seq))), "--steps", str(a.steps), "--lr", "3e-4"] + over
+        log = os.path.join(a.out, f"launcher_{job}_{seq}.jsonl")
         extra = ["--lr", "3e-3"] if job == "lora" else []
-        main(common + extra + ["--log-json", log])
+        mains[job](common + extra + ["--log-json", log])
         rows = [json.loads(x) for x in open(log)]
         losses = [r["loss"] for r in rows]
         k = max(1, len(losses) // 10)
-        summary[job] = dict(steps=len(rows), first_loss=sum(losses[:k]) / k, last_loss=sum(losses[-k:]) / k,
-                            all_grad_norms_finite=all(r["grad_norm"] == r["grad_norm"] and abs(r["grad_norm"]) < 1e30
-                                                      for r in rows),
-                            max_grad_norm=max(r["grad_norm"] for r in rows),
-                            guard_events=rows[-1]["guard_events"], tokens_per_s_last=rows[-1]["tokens_per_s"])
+        summary[f"{job}@{seq}"] = dict(
+            steps=len(rows), first_loss=sum(losses[:k]) / k, last_loss=sum(losses[-k:]) / k,
+            all_grad_norms_finite=all(r["grad_norm"] == r["grad_norm"] and abs(r["grad_norm"]) < 1e30 for r in rows),
+            max_grad_norm=max(r["grad_norm"] for r in rows), guard_events=rows[-1]["guard_events"],
+            tokens_per_s_last=rows[-1]["tokens_per_s"])
     json.dump(summary, open(os.path.join(a.out, "launcher_summary.json"), "w"), indent=1)
     for job, s in summary.items():
-        print(f"{job:5s} steps {s['steps']} loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} "
+        print(f"{job:11s} steps {s['steps']} loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} "
               f"grad-norm finite {s['all_grad_norms_finite']} (max {s['max_grad_norm']:.3f}) guard events "
               f"{s['guard_events']} tok/s {s['tokens_per_s_last']:.0f}")
 
