@@ -53,9 +53,9 @@ def quantise_block_fp8(w: torch.Tensor, block=(128, 128), seed=0):
     return q, s, ref
 
 
-def write_checkpoint(folder, state, quantization_config=None, max_shard_bytes=48 * 1024):
+def write_checkpoint(folder, state, quantization_config=None, max_shard_bytes=48 * 1024, hf_config=None):
     conversion.save_hf_safetensors(state, folder, max_shard_bytes=max_shard_bytes)
-    cfg = {"model_type": "glm_moe_dsa"}
+    cfg = dict(hf_config or {"model_type": "glm_moe_dsa"})
     if quantization_config is not None:
         cfg["quantization_config"] = quantization_config
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -80,8 +80,9 @@ def checkpoints(tmp_path_factory):
             fp8_state[k] = ref_state[k] = v.to(keep)
     qc = dict(PUBLISHED_QC, modules_to_not_convert=["model.embed_tokens", "lm_head"] + [
         f"model.layers.{i}.self_attn.indexers_proj" for i in range(card["num_hidden_layers"])])
-    write_checkpoint(root / "fp8", fp8_state, qc)
-    write_checkpoint(root / "bf16", ref_state)
+    hf_config = json.loads((root / "hf" / "config.json").read_text())
+    write_checkpoint(root / "fp8", fp8_state, qc, hf_config=hf_config)
+    write_checkpoint(root / "bf16", ref_state, hf_config=hf_config)
     return card, root / "fp8", root / "bf16", quantised
 
 
@@ -213,3 +214,28 @@ def test_bad_fp8_tensors_are_refused(tmp_path):
                      PUBLISHED_QC)
     with pytest.raises(ValueError, match=re.escape("w.weight_scale_inv: non-finite scale inf at block (0, 1)")):
         conversion.LazyHFCheckpoint(tmp_path / "d")["w.weight"]
+
+
+def test_megatron_bridge_dequantises_fp8_checkpoints(checkpoints, megatron_single_process):
+    """AutoBridge with our bridge loads the FP8 checkpoint into the same weights as its bf16 reference."""
+    from glm5_dsa_plugin import te_compat
+
+    te_compat.install()
+    pytest.importorskip("glm5_dsa_plugin.bridge", reason="megatron-bridge not installed", exc_type=ImportError)
+    from test_bridge import _cpu_provider
+
+    _, fp8_dir, bf16_dir, quantised = checkpoints
+    models = []
+    for folder in (fp8_dir, bf16_dir):
+        b, prov = _cpu_provider(folder)
+        torch.manual_seed(0)
+        models.append(prov.provide())
+        b.load_hf_weights([models[-1]])
+    got, want = (dict(m.named_parameters()) for m in models)
+    assert got.keys() == want.keys()
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    # the reference's values are the dequantised ones, not the FP8 codes: a bare cast would differ
+    q_a = "model.layers.0.self_attn.q_a_proj.weight"
+    assert not torch.equal(conversion.LazyHFCheckpoint(bf16_dir)[q_a].float(),
+                           conversion.LazyHFCheckpoint(fp8_dir)._read(q_a).float())
