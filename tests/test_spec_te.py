@@ -5,11 +5,11 @@ megatron-core builds a DSA model with ``get_transformer_block_with_experimental_
 kind: the only intended difference is the core attention (our ``GLM5DSAttention`` / ``GLM5DSAIndexer``
 in place of ``DSAttention`` / ``DSAIndexer``, with the same submodule fields).
 
-TransformerEngine is not needed: spec construction only names classes. ``fake_te`` makes
+TransformerEngine is not needed: spec construction only names classes. Without TE, ``fake_te`` makes
 ``import transformer_engine`` succeed and sets the TE version megatron-core reads (TE >= 1.9 picks
 ``TENorm`` for q/k norms) while both specs are built; megatron-core's TE wrapper classes are then its
 own placeholders, the same objects on both sides, and are named here by their attribute name in
-``megatron.core.extensions.transformer_engine``."""
+``megatron.core.extensions.transformer_engine``. Where TE is installed the real classes are compared."""
 
 import dataclasses
 import enum
@@ -35,6 +35,12 @@ _OURS_FOR_MC = {
 }
 
 
+def mc_te_available() -> bool:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return HAVE_TE
+
+
 @pytest.fixture
 def fake_te(monkeypatch, megatron_single_process):
     """TE importable (as an empty module) and reported as version 2.8 while specs are built."""
@@ -45,8 +51,9 @@ def fake_te(monkeypatch, megatron_single_process):
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as mc_exp
     from megatron.core.models.gpt import gpt_layer_specs as mc_gpt
 
-    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
-    monkeypatch.setattr(mc_utils, "_te_version", Version("2.8.0"))
+    if not mc_te_available():
+        monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+        monkeypatch.setattr(mc_utils, "_te_version", Version("2.8.0"))
     # without TE these modules leave TESpecProvider unset / None at import
     monkeypatch.setattr(mc_exp, "TESpecProvider", TESpecProvider, raising=False)
     monkeypatch.setattr(mc_gpt, "TESpecProvider", TESpecProvider)
