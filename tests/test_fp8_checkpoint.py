@@ -142,17 +142,18 @@ def test_conversion_streams_one_tensor_at_a_time(checkpoints):
     assert len(refs) > 100 and all(r() is None for r in refs)
 
 
-def test_fp8_checkpoint_loads_into_the_spec_model(checkpoints, megatron_single_process):
-    """load_hf_checkpoint (the launcher's path) gives the model the bf16 reference's weights."""
-    from test_spec import build
+def test_launcher_loads_the_fp8_checkpoint(checkpoints, megatron_single_process):
+    """The launchers' ``--hf`` path (load_hf_checkpoint into the spec model) gives the model the bf16
+    reference's weights."""
+    from glm5_dsa_plugin import launcher
 
-    card, fp8_dir, bf16_dir, _ = checkpoints
-    cfg = cards.card_to_transformer_config(card, moe_token_dispatcher_type="allgather")
-    model = build(cfg, card, mtp=True)
-    missing, unexpected = conversion.load_hf_checkpoint(model, conversion.LazyHFCheckpoint(fp8_dir), card)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+    _, fp8_dir, bf16_dir, _ = checkpoints
+    args = launcher.base_parser("t").parse_args(["--hf", str(fp8_dir), "--backend", "reference", "--device", "cpu"])
+    card = launcher.load_card_from_args(args)
+    model = launcher.build_model(args, card, launcher.model_config(args, card), mtp=True)
     want = conversion.hf_to_megatron(conversion.LazyHFCheckpoint(bf16_dir), card)
     state = model.state_dict()
+    assert "mtp.layers.0.eh_proj.weight" in want
     for k, v in want.items():
         assert torch.equal(state[k], v.to(state[k].dtype)), k
 
