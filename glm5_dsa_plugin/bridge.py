@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import te_compat
+import torch
+
+from . import fp8, te_compat
 
 te_compat.install()
 
@@ -69,3 +71,27 @@ class GLM5DSAPluginBridge(GLM5Bridge):
         provider.dsa_indexer_scoring_relu = True
         provider.dsa_indexer_use_sparse_loss = True
         return provider
+
+    def maybe_modify_loaded_hf_weight(self, hf_param, hf_state_dict):
+        """Block-FP8 checkpoints (published GLM-5.x-FP8): each weight read with its ``weight_scale_inv`` is
+        dequantised to bf16 (:mod:`glm5_dsa_plugin.fp8`); Megatron-Bridge 0.6.2's GLM-5 bridge would cast
+        the FP8 codes to bf16 without their scales."""
+        weights = super().maybe_modify_loaded_hf_weight(hf_param, hf_state_dict)
+        if isinstance(weights, dict):
+            return {k: self._dequantised(t, hf_param[k], hf_state_dict) for k, t in weights.items()}
+        return self._dequantised(weights, hf_param, hf_state_dict)
+
+    def _dequantised(self, weight, name: str, hf_state_dict):
+        if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return weight
+        qc = getattr(self.hf_config, "quantization_config", None)
+        if qc is not None and not isinstance(qc, dict):
+            qc = qc.to_dict()
+        quant = fp8.parse_quantization_config(qc, where=f"{type(self.hf_config).__name__}")
+        if quant is None:
+            raise ValueError(f"{name} is {weight.dtype} but the HF config has no quantization_config")
+        scale = hf_state_dict.get(name + fp8.SCALE_SUFFIX)
+        if scale is None:
+            raise ValueError(f"{name} is {weight.dtype} but the checkpoint has no {name}{fp8.SCALE_SUFFIX} to "
+                             f"dequantise it with")
+        return fp8.dequantize(weight, scale, quant.block, name=name)

@@ -1,10 +1,13 @@
 """HF <-> Megatron weight conversion for GLM-5 DSA (pure functions; no Megatron-Bridge needed).
 
 Megatron names are those of a GPTModel built with :mod:`glm5_dsa_plugin.spec` (local path;
-TE fuses the input norms into the down projections and is mapped by Megatron-Bridge).
+the TE path fuses a dense layer's pre-MLP norm into ``linear_fc1`` and is mapped by Megatron-Bridge).
 HF names are the on-disk checkpoint names (per-expert keys), as ``save_pretrained`` writes them
 and as the published GLM-5 shards hold them. The MTP layer ``i`` is HF decoder layer
-``num_hidden_layers + i``.
+``num_hidden_layers + i``. Block-FP8 checkpoints (the published ``GLM-5.x-FP8``) are read as bf16:
+:class:`LazyHFCheckpoint` dequantises each weight with its ``weight_scale_inv`` when it is read
+(:mod:`glm5_dsa_plugin.fp8`), and :func:`iter_hf_to_megatron` / :func:`load_hf_checkpoint` hold one
+converted tensor at a time.
 
 Layout notes:
   * dense / expert / shared-expert ``linear_fc1`` = ``cat([gate_proj, up_proj], dim=0)``;
@@ -24,6 +27,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+
+from . import fp8
 
 # (megatron suffix, hf suffix) inside one decoder layer, 1:1 copies
 _LAYER_1TO1 = [
@@ -59,9 +64,17 @@ _GLOBAL = [("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
 
 
 class LazyHFCheckpoint(Mapping):
-    """Read-only mapping over an HF checkpoint folder; tensors are read from their shard on access."""
+    """Read-only mapping over an HF checkpoint folder; tensors are read from their shard on access.
 
-    def __init__(self, path: str | os.PathLike):
+    A block-FP8 checkpoint (``quantization_config`` in ``config.json``, see :mod:`glm5_dsa_plugin.fp8`)
+    is presented as bf16: the ``*.weight_scale_inv`` tensors are not keys of the mapping, and reading a
+    quantised ``*.weight`` reads it and its scale and returns the dequantised bf16 tensor. Nothing is
+    cached: memory is one tensor (and its scale) per access. ``quantization_config`` overrides the one
+    in ``config.json`` (for a folder without one)."""
+
+    _NO_OVERRIDE = object()
+
+    def __init__(self, path: str | os.PathLike, quantization_config=_NO_OVERRIDE):
         from safetensors import safe_open
 
         self._safe_open = safe_open
@@ -75,19 +88,47 @@ class LazyHFCheckpoint(Mapping):
                 raise FileNotFoundError(f"{path}: neither model.safetensors.index.json nor model.safetensors")
             with safe_open(str(single), "pt") as f:
                 self._where = {k: "model.safetensors" for k in f.keys()}
+        config = self.path / "config.json"
+        if quantization_config is self._NO_OVERRIDE:
+            quantization_config = (json.loads(config.read_text()).get("quantization_config")
+                                   if config.exists() else None)
+        self.quantization = fp8.parse_quantization_config(quantization_config, where=str(config))
+        scales = [k for k in self._where if k.endswith(fp8.SCALE_SUFFIX)]
+        if scales and self.quantization is None:
+            raise ValueError(f"{path}: {len(scales)} tensors like {scales[0]} carry block-FP8 scales, but "
+                             f"{config} has no quantization_config: pass LazyHFCheckpoint(path, "
+                             f"quantization_config=...) with the checkpoint's published one")
+        self._scale_of = {k[:-len(fp8.SCALE_SUFFIX)]: k for k in scales}
+        orphans = [k for w, k in self._scale_of.items() if w not in self._where]
+        if orphans:
+            raise ValueError(f"{path}: scale {orphans[0]} has no weight {orphans[0][:-len(fp8.SCALE_SUFFIX)]}")
+        self._keys = [k for k in self._where if not k.endswith(fp8.SCALE_SUFFIX)]
         self.reads = 0
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        shard = self._where[key]
-        with self._safe_open(str(self.path / shard), "pt") as f:
+    def _read(self, key: str) -> torch.Tensor:
+        with self._safe_open(str(self.path / self._where[key]), "pt") as f:
             self.reads += 1
             return f.get_tensor(key)
 
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self:
+            raise KeyError(key)
+        t = self._read(key)
+        if key in self._scale_of:
+            return fp8.dequantize(t, self._read(self._scale_of[key]), self.quantization.block, name=key)
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"{self.path}: {key} is {t.dtype} but the checkpoint has no {key}{fp8.SCALE_SUFFIX} "
+                             f"to dequantise it with")
+        return t
+
+    def __contains__(self, key) -> bool:
+        return key in self._where and not key.endswith(fp8.SCALE_SUFFIX)
+
     def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
+        return iter(self._keys)
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._keys)
 
 
 def _layer_pairs(meg_prefix: str, hf_prefix: str, card: dict, is_moe: bool):
@@ -146,18 +187,23 @@ def _hf_get(hf: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
     return gate if which == "gate_proj" else up
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], card: dict, include_mtp: bool | None = None) -> dict:
-    """HF state (a dict, an in-memory ``state_dict()`` or :class:`LazyHFCheckpoint`) -> Megatron state dict."""
+def iter_hf_to_megatron(hf: Mapping[str, torch.Tensor], card: dict, include_mtp: bool | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Megatron name, tensor) one at a time, keeping no reference to what it yielded: with a
+    :class:`LazyHFCheckpoint` the memory in flight is one converted tensor (and its HF sources).
+    The MTP aliases (``shared_head.head`` / ``embed_tokens``) are checked against their targets last."""
     n = card["num_hidden_layers"]
     if include_mtp is None:
         include_mtp = f"model.layers.{n}.eh_proj.weight" in hf
-    out = {}
     for kind, m, hs in name_plan(card, include_mtp):
         ts = [_hf_get(hf, h) for h in hs]
         missing = [h for h, t in zip(hs, ts) if t is None]
         if missing:
             raise KeyError(f"HF checkpoint lacks {missing} (needed for {m})")
-        out[m] = ts[0] if kind == "copy" else torch.cat(ts, dim=0)
+        out = ts[0] if kind == "copy" else torch.cat(ts, dim=0)
+        del ts
+        yield m, out
+        del out
     if include_mtp:
         for j in range(card.get("num_nextn_predict_layers", 0) or 0):
             for alias, target in _MTP_ALIASES.items():
@@ -165,7 +211,32 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], card: dict, include_mtp: bool
                 if key in hf and not torch.equal(hf[key], hf[target]):
                     raise ValueError(f"{key} differs from {target}: Megatron's MTP shares the embedding and output "
                                      f"layer, so this checkpoint cannot be represented exactly")
-    return out
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], card: dict, include_mtp: bool | None = None) -> dict:
+    """HF state (a dict, an in-memory ``state_dict()`` or :class:`LazyHFCheckpoint`) -> Megatron state dict
+    (the whole converted model in memory; :func:`load_hf_checkpoint` streams into a model instead)."""
+    return dict(iter_hf_to_megatron(hf, card, include_mtp))
+
+
+def load_hf_checkpoint(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], card: dict,
+                       include_mtp: bool | None = None) -> tuple[list[str], list[str]]:
+    """Copy an HF checkpoint into ``model``'s parameters / buffers tensor by tensor (cast to each
+    destination's dtype; shapes must match exactly). Returns (missing, unexpected) Megatron names, as
+    ``load_state_dict(strict=False)`` does; peak extra memory is one converted tensor."""
+    dest = model.state_dict(keep_vars=True)
+    seen, unexpected = set(), []
+    with torch.no_grad():
+        for name, t in iter_hf_to_megatron(hf, card, include_mtp):
+            if name not in dest:
+                unexpected.append(name)
+                continue
+            d = dest[name]
+            if tuple(d.shape) != tuple(t.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(d.shape)}")
+            d.copy_(t)
+            seen.add(name)
+    return [k for k in dest if k not in seen], unexpected
 
 
 def megatron_to_hf(meg: Mapping[str, torch.Tensor], card: dict, include_mtp: bool | None = None) -> dict:

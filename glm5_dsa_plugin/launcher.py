@@ -143,10 +143,9 @@ def build_model(args, card: dict, config, mtp: bool = False):
         if isinstance(m, GLM5DSAttention):
             m.backend = args.backend
     if args.hf:
-        from .conversion import LazyHFCheckpoint, hf_to_megatron
+        from .conversion import LazyHFCheckpoint, load_hf_checkpoint
 
-        state = hf_to_megatron(LazyHFCheckpoint(args.hf), card, include_mtp=mtp)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = load_hf_checkpoint(model, LazyHFCheckpoint(args.hf), card, include_mtp=mtp)
         bad = [k for k in missing if not k.endswith("_extra_state")]
         if bad or unexpected:
             raise RuntimeError(f"HF checkpoint does not fit the model: missing {bad[:5]}, unexpected {unexpected[:5]}")

@@ -117,6 +117,7 @@ def dsa_attention_spec(config, backend=None) -> ModuleSpec:
             q_layernorm=qk_norm,
             kv_layernorm=qk_norm,
         ),
+        metainfo={"fuse_input_layernorm": False},  # the indexer reads the normalised input: no fusion
     )
 
 
@@ -138,14 +139,18 @@ def layer_submodules(config, is_moe: bool, backend=None) -> TransformerLayerSubm
     rms = config.normalization == "RMSNorm"
     if is_moe:
         mlp = get_moe_module_spec_for_backend(backend=backend, num_experts=config.num_moe_experts,
-                                              moe_grouped_gemm=config.moe_grouped_gemm)
+                                              moe_grouped_gemm=config.moe_grouped_gemm,
+                                              use_te_activation_func=config.use_te_activation_func)
     else:
         mlp = get_mlp_module_spec_for_backend(backend=backend, num_experts=None)
+    # A dense MLP on a fusing backend (TE) normalises inside linear_fc1 (TELayerNormColumnParallelLinear),
+    # so the layer's own pre-MLP norm is IdentityOp there, as in megatron-core's DSA block spec.
+    pre_mlp_norm_fused = not is_moe and backend.fuse_layernorm_and_linear()
     return TransformerLayerSubmodules(
         input_layernorm=backend.layer_norm(rms_norm=rms, for_qk=False),
         self_attention=dsa_attention_spec(config, backend),
         self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=backend.layer_norm(rms_norm=rms, for_qk=False),
+        pre_mlp_layernorm=IdentityOp if pre_mlp_norm_fused else backend.layer_norm(rms_norm=rms, for_qk=False),
         mlp=mlp,
         mlp_bda=get_bias_dropout_add,
     )
