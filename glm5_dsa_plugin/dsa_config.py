@@ -66,8 +66,11 @@ def check_dsa_config(config) -> None:
                 f"pads and truncates, which changes the indexer scores, and is not implemented",
                 "set dsa_indexer_rotate_activation=False or use a power-of-two head dim")
     rope_type = getattr(config, "rope_type", "rope")
-    if rope_type not in (None, "rope"):
-        _refuse("rope_type", rope_type, "the DSA indexer implements plain RoPE only (GLM-5.x)", "set rope_type='rope'")
+    scaling = getattr(config, "rotary_scaling_factor", 1.0)
+    # YaRN at scaling factor 1 has the plain RoPE frequencies and no attention scaling
+    if rope_type not in (None, "rope") and not (rope_type == "yarn" and scaling == 1.0):
+        _refuse("rope_type", rope_type, f"the DSA indexer implements plain RoPE only (GLM-5.x); "
+                f"rotary_scaling_factor={scaling}", "set rope_type='rope'")
     percent = getattr(config, "rotary_percent", 1.0)
     if percent not in (None, 1.0):
         _refuse("rotary_percent", percent, "the DSA indexer rotates all qk_pos_emb_head_dim channels",
