@@ -122,7 +122,10 @@ def test_indexer_module_rotates_as_configured(megatron_single_process, interleav
     assert (q - other).abs().max() > 1e-3
 
 
-def test_scaled_rope_is_refused(megatron_single_process):
+def test_other_rope_variants_are_refused(megatron_single_process):
+    """megatron-core's DSAIndexer applies these from the config too; ours implements plain RoPE only."""
     with pytest.raises(ValueError, match=r"rope_type='yarn' is not supported"):
         _model(rope_type="yarn", rotary_scaling_factor=4.0)
     _model(rope_type="yarn", rotary_scaling_factor=1.0)  # plain RoPE frequencies: accepted
+    with pytest.raises(ValueError, match=r"rotary_percent=0.5 is not supported"):
+        _model(rotary_percent=0.5)
