@@ -28,9 +28,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
 from . import indexer as ix
+from .dsa_config import check_dsa_config
 from .ops import guard_policy, sparse_mla
-
-DEFAULT_INDEXER_K_NORM_EPS = 1e-6
 
 
 @dataclass
@@ -50,7 +49,8 @@ class GLM5DSAttentionSubmodules:
 
 class GLM5DSAIndexer(MegatronModule):
     """Lightning indexer: wq_b(qr), LayerNorm(wk(x)), weights_proj(x); RoPE on the first
-    ``qk_pos_emb_head_dim`` channels (HF layout, half split); deterministic top-k."""
+    ``qk_pos_emb_head_dim`` channels (HF layout), interleaved or half split as
+    ``dsa_indexer_rope_interleaved`` says (GLM-5.x: interleaved); deterministic top-k."""
 
     def __init__(self, config: TransformerConfig, submodules: GLM5DSAIndexerSubmodules,
                  pg_collection: Optional[ProcessGroupCollection] = None) -> None:
@@ -58,14 +58,14 @@ class GLM5DSAIndexer(MegatronModule):
         c = self.config
         self.n_heads, self.head_dim, self.topk = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim, c.dsa_indexer_topk
         self.rope_dim = c.qk_pos_emb_head_dim
-        if c.dsa_indexer_rope_interleaved:
-            raise ValueError("GLM-5's indexer uses non-interleaved RoPE; set dsa_indexer_rope_interleaved=False")
+        self.rope_interleaved = bool(c.dsa_indexer_rope_interleaved)
+        check_dsa_config(c)
         q_lora_rank = c.q_lora_rank if c.q_lora_rank is not None else c.hidden_size
         common = dict(config=c, init_method=c.init_method, bias=False, skip_bias_add=False,
                       skip_weight_param_allocation=False, parallel_mode="duplicated")
         self.linear_wq_b = build_module(submodules.linear_wq_b, q_lora_rank, self.n_heads * self.head_dim, **common)
         self.linear_wk = build_module(submodules.linear_wk, c.hidden_size, self.head_dim, **common)
-        eps = c.dsa_indexer_k_norm_epsilon if c.dsa_indexer_k_norm_epsilon is not None else DEFAULT_INDEXER_K_NORM_EPS
+        eps = c.dsa_indexer_k_norm_epsilon if c.dsa_indexer_k_norm_epsilon is not None else c.layernorm_epsilon
         self.k_norm = torch.nn.LayerNorm(self.head_dim, eps=eps) if submodules.k_norm is None else build_module(
             submodules.k_norm, config=_layernorm_config(c), hidden_size=self.head_dim, eps=eps)
         self.linear_weights_proj = build_module(submodules.linear_weights_proj, c.hidden_size, self.n_heads, **common)
@@ -78,12 +78,23 @@ class GLM5DSAIndexer(MegatronModule):
         T = x.shape[0]
         q, _ = self.linear_wq_b(qr)
         k, _ = self.linear_wk(x)
-        k = self.k_norm(k)
+        k = self._k_norm(k)
         w, _ = self.linear_weights_proj(x)
         cos, sin = ix.rope_cos_sin(positions, self.rope_dim, self.config.rotary_base, dtype=q.dtype)
-        q = ix.apply_rope_first(q.view(T, self.n_heads, self.head_dim), cos, sin)
-        k = ix.apply_rope_first(k.view(T, 1, self.head_dim), cos, sin)[:, 0]
+        q = ix.apply_rope_first(q.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_interleaved)
+        k = ix.apply_rope_first(k.view(T, 1, self.head_dim), cos, sin, self.rope_interleaved)[:, 0]
         return q, k, w * self.n_heads**-0.5
+
+    def _k_norm(self, k: torch.Tensor) -> torch.Tensor:
+        """LayerNorm of the indexer key; on fp32 inputs (result cast back) with ``dsa_indexer_k_norm_fp32``."""
+        if not self.config.dsa_indexer_k_norm_fp32:
+            return self.k_norm(k)
+        n = self.k_norm
+        if isinstance(n, torch.nn.LayerNorm):  # its parameters may be bf16: run the whole norm in fp32
+            w = n.weight.float() if n.weight is not None else None
+            b = n.bias.float() if n.bias is not None else None
+            return torch.nn.functional.layer_norm(k.float(), n.normalized_shape, w, b, n.eps).to(k.dtype)
+        return n(k.float()).to(k.dtype)
 
 
 def _layernorm_config(config):
@@ -115,6 +126,7 @@ class GLM5DSAttention(MegatronModule):
         self.layer_number = layer_number
         self.topk_freq = config.dsa_indexer_topk_freq or 1
         self.skip_offset = config.dsa_indexer_skip_topk_offset or 0
+        check_dsa_config(config)
         self.computes_indices = ix.computes_indices(layer_number, self.topk_freq, self.skip_offset)
         self.source_layer = ix.index_source_layer(layer_number, self.topk_freq, self.skip_offset)
         if pg_collection is None:
@@ -207,7 +219,8 @@ class GLM5DSAttention(MegatronModule):
         holder = self._holder(packed_seq_params, attention_mask)
         index_logits = None
         if self.indexer is not None:
-            qi, ki, wi = self.indexer.qkw(xs, qrs, vis.query_pos)
+            # detached inputs, as in megatron-core: the indexer loss trains the indexer only, never the trunk
+            qi, ki, wi = self.indexer.qkw(xs.detach(), qrs.detach(), vis.query_pos)
             indices = ix.select_topk(qi.detach(), ki.detach(), wi.detach(), self.indexer.topk, vis, check=False)
             if self.topk_freq > 1:  # only kept when later layers reuse them (index sharing)
                 holder[self.layer_number] = indices

@@ -61,13 +61,17 @@ class GLM5DSAPluginBridge(GLM5Bridge):
     def provider_bridge(self, hf_pretrained) -> MLAModelProvider:
         cfg = getattr(hf_pretrained, "config", hf_pretrained)
         if not hasattr(cfg, "indexer_rope_interleave"):
-            # the built-in bridge reads this field; transformers 5.12's GlmMoeDsaConfig does not define it
-            # (its indexer is always half-split, which is what ours implements)
-            cfg.indexer_rope_interleave = False
+            # the built-in bridge reads this field, which GlmMoeDsaConfig only carries when config.json has
+            # it; without it, transformers (>= 5.13) rotates the indexer interleaved (cards.indexer_rope_interleave)
+            cfg.indexer_rope_interleave = True
+        if getattr(cfg, "rope_interleave", True) is not True:
+            raise ValueError(f"rope_interleave={cfg.rope_interleave!r}: GLM-5's MLA attention rotates interleaved "
+                             f"pairs; no other layout exists in megatron-core's MLA or transformers' GlmMoeDsa")
         provider = super().provider_bridge(hf_pretrained)
         provider.transformer_layer_spec = glm5_bridge_layer_spec
-        # our indexer: HF layout (RoPE first, half split), sparse KL loss over the selected slots
-        provider.dsa_indexer_rope_interleaved = False
+        # our indexer: HF layout (RoPE on the first channels), the RoPE convention passed through from the
+        # HF config (the built-in bridge copies indexer_rope_interleave), sparse KL loss over the selected slots
+        provider.dsa_indexer_rope_interleaved = bool(cfg.indexer_rope_interleave)
         provider.dsa_indexer_scoring_relu = True
         provider.dsa_indexer_use_sparse_loss = True
         return provider

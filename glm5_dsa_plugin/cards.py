@@ -2,6 +2,12 @@
 
 A card is an HF-style config dict plus a ``_card`` block (name, description). It converts to
 an HF ``GlmMoeDsaConfig`` and back, and to megatron-core's ``MLATransformerConfig``.
+
+RoPE conventions (the published GLM-5, 5.1 and 5.2 ``config.json`` values): the main MLA
+attention rotates interleaved pairs (``rope_interleave: true``; megatron-core's MLA always does),
+and so does the lightning indexer (``indexer_rope_interleave: true`` ->
+``dsa_indexer_rope_interleaved=True``). A config without ``indexer_rope_interleave`` is read as
+true: transformers >= 5.13 always rotates the GLM-5 indexer interleaved.
 """
 
 from __future__ import annotations
@@ -39,6 +45,20 @@ def load_card(name_or_path: str) -> dict:
     return json.loads(p.read_text())
 
 
+def indexer_rope_interleave(card: dict) -> bool:
+    """The indexer's RoPE convention (True = interleaved pairs, the GLM-5.x value)."""
+    v = card.get("indexer_rope_interleave", True)
+    if not isinstance(v, bool):
+        raise ValueError(f"indexer_rope_interleave must be true or false, got {v!r}")
+    return v
+
+
+def _check_main_rope(card: dict) -> None:
+    if card.get("rope_interleave", True) is not True:
+        raise ValueError(f"rope_interleave={card['rope_interleave']!r}: GLM-5's MLA attention rotates interleaved "
+                         f"pairs (megatron-core's MLA and transformers' GlmMoeDsa both do); no other layout exists")
+
+
 def rope_theta(card: dict) -> float:
     rp = card.get("rope_parameters") or {}
     return float(rp.get("rope_theta", card.get("rope_theta", 10000.0)))
@@ -63,6 +83,9 @@ def hf_config_to_card(cfg, name: str = "from-hf") -> dict:
     card["rope_parameters"] = {"rope_theta": rope_theta(d), "rope_type": (d.get("rope_parameters") or {}).get(
         "rope_type", "default")}
     card["num_nextn_predict_layers"] = d.get("num_nextn_predict_layers", 0)
+    card["rope_interleave"] = d.get("rope_interleave", True)
+    card["indexer_rope_interleave"] = indexer_rope_interleave(d)
+    _check_main_rope(card)
     types = d.get("indexer_types")
     freq, offset = d.get("index_topk_freq"), d.get("index_skip_topk_offset")
     if freq is None and types:
@@ -87,6 +110,7 @@ def card_to_transformer_config(card: dict, **overrides):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    _check_main_rope(card)
     n, k = card["num_hidden_layers"], card.get("first_k_dense_replace", 0)
     kw = dict(
         num_layers=n, hidden_size=card["hidden_size"], ffn_hidden_size=card["intermediate_size"],
@@ -110,7 +134,8 @@ def card_to_transformer_config(card: dict, **overrides):
         dsa_indexer_loss_coeff=card.get("indexer_loss_coeff", 0.001),
         dsa_indexer_topk_freq=card.get("index_topk_freq", 1), dsa_indexer_skip_topk_offset=card.get(
             "index_skip_topk_offset", 0),
-        dsa_indexer_rotate_activation=False, dsa_indexer_scoring_relu=True, dsa_indexer_rope_interleaved=False,
+        dsa_indexer_rotate_activation=False, dsa_indexer_scoring_relu=True,
+        dsa_indexer_rope_interleaved=indexer_rope_interleave(card), dsa_indexer_use_sparse_loss=True,
         dsa_indexer_k_norm_epsilon=1e-6,
         mtp_num_layers=card.get("num_nextn_predict_layers") or None,
         transformer_impl="local", params_dtype=torch.float32, use_cpu_initialization=True,

@@ -63,8 +63,20 @@ def test_provider_fields_equal_the_card(megatron_single_process, hf_dir):
               "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq", "rotary_base",
               "layernorm_epsilon", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
               "dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset", "experimental_attention_variant",
-              "moe_router_topk_scaling_factor", "moe_router_score_function"):
+              "moe_router_topk_scaling_factor", "moe_router_score_function", "dsa_indexer_rope_interleaved",
+              "dsa_indexer_use_sparse_loss", "dsa_indexer_k_norm_epsilon", "dsa_indexer_rotate_activation"):
         assert getattr(prov, f) == getattr(expect, f), f
+    assert prov.dsa_indexer_rope_interleaved is True  # the tiny card's (and GLM-5.x's) indexer_rope_interleave
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_provider_passes_the_indexer_rope_convention_through(megatron_single_process, tmp_path, interleave):
+    from test_conversion import tiny_hf
+
+    _, hf = tiny_hf(seed=4, indexer_rope_interleave=interleave)
+    hf.save_pretrained(tmp_path)
+    _, prov = _cpu_provider(tmp_path)
+    assert prov.dsa_indexer_rope_interleaved is interleave
 
 
 def test_bridge_path_equals_spec_path(megatron_single_process, hf_dir):

@@ -107,9 +107,12 @@ def test_published_cards_hold_the_architecture():
         cards.load_card("glm6")
 
 
-def _indexer_has_no_boundary_ties(model, tok):
-    """Precondition for comparing top-k sets with HF (torch.topk breaks ties arbitrarily)."""
-    caught = []
+def _hf_run(model, tok):
+    """HF logits and each indexer's top-k [B, S, k] (None if a row's k-th and (k+1)-th visible scores tie:
+    torch.topk breaks such ties arbitrarily, so the sets could not be compared)."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
+
+    caught, selected = [], {}
     real = torch.Tensor.topk
 
     def spy(self, k, *a, **kw):
@@ -117,41 +120,115 @@ def _indexer_has_no_boundary_ties(model, tok):
             caught.append((self.detach().clone(), k))
         return real(self, k, *a, **kw)
 
+    hooks = [m.register_forward_hook(lambda mod, args, out: selected.__setitem__(mod.layer_idx, out.clone()))
+             for m in model.modules() if isinstance(m, GlmMoeDsaIndexer)]
     torch.Tensor.topk = spy
     try:
         with torch.no_grad():
             logits = model(tok).logits
     finally:
         torch.Tensor.topk = real
+        for h in hooks:
+            h.remove()
     for scores, k in caught:
         vals = scores.sort(dim=-1, descending=True).values
         if vals.shape[-1] <= k:
             continue
-        visible = vals[..., k] > -1e30  # HF masks with finfo.min, not -inf
+        visible = vals[..., k] > -1e30  # HF masks with -inf or finfo.min
         if bool((visible & (vals[..., k - 1] == vals[..., k])).any()):
-            return None
-    return logits
+            return None, None
+    return logits, selected
 
 
-def test_logits_match_hf_transformers(megatron_single_process):
-    """Same weights (converted), same tokens -> logits within 1e-4 (fp32, reference backend)."""
+def _our_run(model, tok):
+    """Our logits and each computing layer's top-k, per 1-indexed layer number: [B*S, k] packed."""
+    from glm5_dsa_plugin import indexer as ix
+    from glm5_dsa_plugin.attention import GLM5DSAttention
+
+    selected, real = {}, ix.select_topk
+    layer = {}
+
+    def pre(mod, args):
+        layer["n"] = mod.layer_number
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        selected[layer["n"]] = out.clone()
+        return out
+
+    hooks = [m.register_forward_pre_hook(pre) for m in model.modules() if isinstance(m, GLM5DSAttention)]
+    ix.select_topk = spy
+    try:
+        model.eval()
+        with torch.no_grad():
+            B, S = tok.shape
+            logits = model(tok, torch.arange(S)[None].expand(B, S), None)
+    finally:
+        ix.select_topk = real
+        for h in hooks:
+            h.remove()
+    return logits, selected
+
+
+def _index_sets_equal(ours, theirs, B, S):
+    """ours [B*S, k] packed (-1 padding), theirs [B, S, k] per sequence: same key set on every row."""
+    for b in range(B):
+        for t in range(S):
+            mine = ours[b * S + t]
+            mine = sorted((mine[mine >= 0] - b * S).tolist())
+            hf = theirs[b, t]
+            hf = sorted(hf[hf <= t].tolist())  # HF fills short rows with masked (future) keys
+            if mine != hf:
+                return False
+    return True
+
+
+def _our_model(card, hf, **over):
     from test_spec import build
 
+    cfg = cards.card_to_transformer_config(card, moe_token_dispatcher_type="allgather", mtp_num_layers=None, **over)
+    model = build(cfg, card, mtp=False)
+    state = dict(hf.state_dict())
+    # conversion.name_plan maps an indexer on every layer; a sharing layer has none on either side:
+    # give the plan placeholders, and drop what it makes of them
+    shared = [i for i, t in enumerate(hf.config.indexer_types) if t == "shared"]
+    donor = hf.config.indexer_types.index("full")
+    for i in shared:
+        for k in [k for k in state if k.startswith(f"model.layers.{donor}.self_attn.indexer.")]:
+            state[k.replace(f"layers.{donor}.", f"layers.{i}.", 1)] = torch.zeros_like(state[k])
+    meg = conversion.hf_to_megatron(state, card, include_mtp=False)
+    meg = {k: v for k, v in meg.items()
+           if not any(k.startswith(f"decoder.layers.{i}.self_attention.core_attention.indexer.") for i in shared)}
+    missing, unexpected = model.load_state_dict(meg, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+    return model
+
+
+def test_logits_and_selected_indices_match_hf_transformers(megatron_single_process):
+    """GLM-5.2-shaped tiny model (layers 1-3 run their indexer, layer 4 shares layer 3's indices), top-k 8
+    of up to 24 visible keys: same weights, same tokens -> the same selected key sets on every row of
+    every indexer, and logits within 1e-4 (fp32, reference backend)."""
+    S, B = 24, 2
     for seed in range(20):
-        card, hf = tiny_hf(seed=seed, index_n_heads=8)  # 8 indexer heads: all-zero relu scores are rare
-        tok = torch.randint(0, card["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(seed))
-        ref_logits = _indexer_has_no_boundary_ties(hf, tok)
+        # 8 indexer heads: all-zero relu scores are rare
+        card, hf = tiny_hf(seed=seed, index_n_heads=8, index_topk_freq=4, index_skip_topk_offset=3)
+        tok = torch.randint(0, card["vocab_size"], (B, S), generator=torch.Generator().manual_seed(seed))
+        ref_logits, hf_sel = _hf_run(hf, tok)
         if ref_logits is not None:
             break
     assert ref_logits is not None, "no tie-free seed found"
-    cfg = cards.card_to_transformer_config(card, moe_token_dispatcher_type="allgather", mtp_num_layers=None)
-    model = build(cfg, card, mtp=False)
-    meg = conversion.hf_to_megatron(dict(hf.state_dict()), card, include_mtp=False)
-    missing, unexpected = model.load_state_dict(meg, strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
-    model.eval()
-    with torch.no_grad():
-        ours = model(tok, torch.arange(24)[None].expand(2, 24), None)
+    assert hf.config.indexer_types == ["full", "full", "full", "shared"]
+    k = card["index_topk"]
+    assert sum(t + 1 > k for t in range(S)) > S // 2  # most rows see more keys than they keep
+    model = _our_model(card, hf)
+    ours, our_sel = _our_run(model, tok)
+    assert sorted(our_sel) == [1, 2, 3]  # layer 4 reuses layer 3's indices, as HF's "shared" layer does
+    for n in (1, 2, 3):
+        assert _index_sets_equal(our_sel[n], hf_sel[n - 1], B, S), f"layer {n}: selected keys differ from HF"
     rel = ((ours - ref_logits).norm() / ref_logits.norm()).item()
     print(f"relative L2 error vs HF: {rel:.2e}")
     assert rel <= 1e-4, rel
+    # the comparison sees the indexer's RoPE convention: half split selects other keys
+    half = _our_model(card, hf, dsa_indexer_rope_interleaved=False)
+    _, half_sel = _our_run(half, tok)
+    assert not all(_index_sets_equal(half_sel[n], hf_sel[n - 1], B, S) for n in (1, 2, 3))

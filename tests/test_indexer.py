@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from glm5_dsa_plugin import indexer as ix
+from megatron_cpu import megatron_single_process  # noqa: F401
 
 
 def brute_topk(scores, topk):
@@ -73,14 +74,14 @@ def _hf_config(**kw):
     return GlmMoeDsaConfig(**base)
 
 
-def _ours_from_hf(idxr, x, qr, positions, theta):
+def _ours_from_hf(idxr, x, qr, positions, theta, interleaved=True):
     """Our functional indexer driven by the HF module's weights."""
     Hi, Di, r = idxr.n_heads, idxr.head_dim, idxr.qk_rope_head_dim
     T = x.shape[0]
     cos, sin = ix.rope_cos_sin(positions, r, theta)
-    q = ix.apply_rope_first((qr @ idxr.wq_b.weight.T).view(T, Hi, Di), cos, sin)
+    q = ix.apply_rope_first((qr @ idxr.wq_b.weight.T).view(T, Hi, Di), cos, sin, interleaved)
     k = torch.nn.functional.layer_norm(x @ idxr.wk.weight.T, (Di,), idxr.k_norm.weight, idxr.k_norm.bias, 1e-6)
-    k = ix.apply_rope_first(k[:, None, :], cos, sin)[:, 0]
+    k = ix.apply_rope_first(k[:, None, :], cos, sin, interleaved)[:, 0]
     w = (x @ idxr.weights_proj.weight.T) * Hi**-0.5
     return q, k, w
 
@@ -106,7 +107,8 @@ def test_matches_hf_indexer_scores_and_selection(monkeypatch):
         return real_topk(self, *a, **k)
 
     monkeypatch.setattr(torch.Tensor, "topk", spy)
-    hf_idx = idxr(x, qr, cos_sin, None, pos)[0]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None]  # [B, S, T], True = visible
+    hf_idx = idxr(x, qr, cos_sin, causal, pos)[0]
     monkeypatch.setattr(torch.Tensor, "topk", real_topk)
     hf_scores = captured["scores"][0]  # [T, T] with -inf above the diagonal
 
@@ -125,6 +127,34 @@ def test_matches_hf_indexer_scores_and_selection(monkeypatch):
         assert len(mine) == len(theirs) == min(t + 1, cfg.index_topk)
         torch.testing.assert_close(torch.sort(ours[t, mine]).values, torch.sort(hf_scores[t, theirs]).values,
                                    rtol=1e-5, atol=1e-5)
+    # the half-split convention gives other scores: the comparison above sees the RoPE convention
+    q2, k2, w2 = _ours_from_hf(idxr, x[0], qr[0], pos[0], cfg.rope_parameters["rope_theta"], interleaved=False)
+    half = ix.index_scores(q2, k2, w2).masked_fill(~vis.mask(), float("-inf"))
+    assert (half[finite] - hf_scores[finite]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_conventions_equal_megatron_core(interleaved, megatron_single_process):
+    """apply_rope_first == megatron-core's RoPE with mla_rotary_interleaved (what its DSAIndexer applies
+    for dsa_indexer_rope_interleaved), RoPE channels first and the rest passed through."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    torch.manual_seed(5)
+    T, H, D, r, theta = 12, 3, 24, 8, 5000.0
+    x = torch.randn(T, H, D, dtype=torch.float64)
+    freqs = RotaryEmbedding(r, rotary_percent=1.0, rotary_base=theta, use_cpu_initialization=True)(T)  # [T, 1, 1, r]
+    rot = _apply_rotary_pos_emb_bshd(x[:, None, :, :r], freqs.double(), mla_rotary_interleaved=interleaved)[:, 0]
+    cos, sin = ix.rope_cos_sin(torch.arange(T), r, theta, dtype=torch.float64)
+    ours = ix.apply_rope_first(x, cos, sin, interleaved)
+    torch.testing.assert_close(ours[..., :r], rot, rtol=1e-6, atol=1e-6)
+    assert torch.equal(ours[..., r:], x[..., r:])
+    # interleaved pairs (2j, 2j+1) rotate as complex numbers by angle t * theta ** (-2j / r) (cos/sin are fp32)
+    if interleaved:
+        z = torch.view_as_complex(x[..., :r].reshape(T, H, r // 2, 2).contiguous())
+        ang = torch.arange(T, dtype=torch.float64)[:, None] * theta ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
+        zr = z * torch.polar(torch.ones_like(ang), ang)[:, None, :]
+        torch.testing.assert_close(torch.cat([zr.real, zr.imag], dim=-1), ours[..., :r], rtol=1e-6, atol=1e-6)
 
 
 def test_thd_three_sequences_never_cross():
