@@ -23,8 +23,11 @@ import triton.language as tl
 def _head_prob_sum_kernel(Q, KV, LSE, IDX, OUT, n_slots, scale_log2,
                           H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           BJ: tl.constexpr, IEEE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    jb = tl.program_id(1)
+    # one flat grid, slot blocks of a row adjacent: they share the row's q in cache
+    n_blocks = tl.cdiv(n_slots, BJ)
+    pid = tl.program_id(0)
+    t = (pid // n_blocks).to(tl.int64)
+    jb = pid % n_blocks
     h = tl.arange(0, HP)
     hmask = h < H
     j = jb * BJ + tl.arange(0, BJ)
@@ -64,7 +67,7 @@ def head_prob_sum(q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, indices:
     if T == 0 or n == 0:
         return out
     HP = max(16, triton.next_power_of_2(H))
-    grid = (T, triton.cdiv(n, block_slots))
+    grid = (T * triton.cdiv(n, block_slots),)
     _head_prob_sum_kernel[grid](q.contiguous(), kv.contiguous(), lse.float().contiguous(), indices.contiguous(), out,
                                 n, sm_scale * 1.4426950408889634, H=H, HP=HP, D=D, BD=block_d, BJ=block_slots,
                                 IEEE=q.dtype == torch.float32)

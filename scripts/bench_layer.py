@@ -206,8 +206,9 @@ def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
 
     cfgs = {impl: make_config(dims, layer, impl, device, reuse=True) for impl in ("ours", "mcore_sparse")}
     torch.manual_seed(0)
-    ours = build_layer(cfgs["ours"], layer, "ours", layer_number=2).to(device)
-    theirs = build_layer(cfgs["mcore_sparse"], layer, "mcore_sparse", layer_number=2).to(device)
+    ours = build_layer(cfgs["ours"], layer, "ours", layer_number=2).to(device=device, dtype=torch.bfloat16)
+    theirs = build_layer(cfgs["mcore_sparse"], layer, "mcore_sparse", layer_number=2).to(device=device,
+                                                                                         dtype=torch.bfloat16)
     missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
     missing = [m for m in missing if not m.endswith("_extra_state")]
     if missing or unexpected:
@@ -249,7 +250,7 @@ def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
     try:
         cfg = make_config(dims, layer, impl, device)
         torch.manual_seed(0)
-        lay = build_layer(cfg, layer, impl).to(device)
+        lay = build_layer(cfg, layer, impl).to(device=device, dtype=torch.bfloat16)
         lay.train()
         gen = torch.Generator(device=device).manual_seed(1)
         x = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
@@ -354,6 +355,10 @@ def main(argv=None) -> int:
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("nccl" if a.device == "cuda" else "gloo", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)
+    if a.device == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
 
     dims = TINY if a.tiny else GLM5
     Ts = [int(t) for t in a.T.split(",")]

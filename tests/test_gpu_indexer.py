@@ -57,8 +57,10 @@ def test_selected_scores_kernels_match_reference_at_glm5_sizes():
     idx = ix.select_topk(q, k, w, K, vis)
     grad = torch.randn(T, K, generator=g, device="cuda")
     res = {}
-    for name, fn in (("kernel", ix.selected_scores), ("reference", ix.selected_scores_reference)):
-        qq, kk, ww = (t.clone().requires_grad_(True) for t in (q, k, w))
+    # the reference runs on fp32 copies: its index backward would accumulate dk in k's dtype (bf16)
+    for name, fn, dt in (("kernel", ix.selected_scores, torch.bfloat16),
+                         ("reference", ix.selected_scores_reference, torch.float32)):
+        qq, kk, ww = (t.to(dt).requires_grad_(True) for t in (q, k, w))
         s = fn(qq, kk, ww, idx)
         s.masked_fill(idx < 0, 0.0).mul(grad).sum().backward()
         res[name] = (s.detach(), qq.grad.float(), kk.grad.float(), ww.grad.float())
@@ -68,7 +70,7 @@ def test_selected_scores_kernels_match_reference_at_glm5_sizes():
     assert ((s1[v] - s2[v]).norm() / s2[v].norm()).item() < 1e-5
     for name, a, b in zip(("dq", "dk", "dw"), g1, g2):
         err = ((a - b).norm() / b.norm()).item()
-        assert err < 1e-2, (name, err)  # bf16 dS in the kernel's products, fp32 in the reference
+        assert err < 1e-3, (name, err)
 
 
 def test_loss_target_from_lse_matches_reference_at_glm5_sizes():
