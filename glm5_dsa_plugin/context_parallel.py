@@ -107,15 +107,34 @@ def gather_order(bounds: torch.Tensor, cp: int, layout: str) -> Optional[torch.T
 
 
 # --------------------------------------------------------------------------- autograd all-gather
+def _through_host(t: torch.Tensor, group) -> bool:
+    """gloo moves CUDA tensors through host copies (tests run CP on one GPU that way)."""
+    return t.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    cp = dist.get_world_size(group)
+    src = x.cpu() if _through_host(x, group) else x.contiguous()
+    out = src.new_empty((cp * src.shape[0],) + tuple(src.shape[1:]))
+    dist.all_gather_into_tensor(out, src, group=group)
+    return out.to(x.device)
+
+
+def _reduce_scatter(g: torch.Tensor, group) -> torch.Tensor:
+    cp = dist.get_world_size(group)
+    src = g.cpu() if _through_host(g, group) else g.contiguous()
+    out = src.new_empty((src.shape[0] // cp,) + tuple(src.shape[1:]))
+    dist.reduce_scatter_tensor(out, src, group=group)
+    return out.to(g.device)
+
+
 class _GatherSequence(torch.autograd.Function):
     """x [n, ...] local rows -> [cp * n, ...] in global order; backward reduce-scatters."""
 
     @staticmethod
     def forward(ctx, x, group, order):
         ctx.group, ctx.order = group, order
-        cp = dist.get_world_size(group)
-        out = x.new_empty((cp * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        out = _all_gather(x, group)
         return out if order is None else out.index_select(0, order)
 
     @staticmethod
@@ -123,10 +142,7 @@ class _GatherSequence(torch.autograd.Function):
         grad = grad.contiguous()
         if ctx.order is not None:  # back to rank-major order: gathered[order[g]] = global[g]
             grad = torch.empty_like(grad).index_copy_(0, ctx.order, grad)
-        cp = dist.get_world_size(ctx.group)
-        out = grad.new_empty((grad.shape[0] // cp,) + tuple(grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-        return out, None, None
+        return _reduce_scatter(grad, ctx.group), None, None
 
 
 def gather_sequence(x: torch.Tensor, group, order: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -81,7 +81,7 @@ def _packed(sizes, padded):
                            cu_seqlens_kv_padded=cu_pad, max_seqlen_q=mx, max_seqlen_kv=mx)
 
 
-def _run_case(name, cp, rank):
+def _run_case(name, cp, rank, device="cpu"):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import build_module
@@ -103,9 +103,9 @@ def _run_case(name, cp, rank):
         core = dsa_attention_spec(cfg, cp_layout=layout).submodules.core_attention
         att = build_module(core, config=cfg, layer_number=layer, attn_mask_type=AttnMaskType.causal,
                            attention_type="self", softmax_scale=32**-0.5, cp_comm_type="allgather",
-                           pg_collection=pgc).train()
+                           pg_collection=pgc).train().to(device)
         att.backend = "reference"
-        t = _inputs(card, fmt, sizes, padded, layer, g)
+        t = {k: v.to(device) for k, v in _inputs(card, fmt, sizes, padded, layer, g).items()}
         loc = {k: t[k][rows].clone().requires_grad_(True) for k in ("query", "key", "x", "qr")}
         up_v = t["up_v"].clone().requires_grad_(True)
         out = att(loc["query"], loc["key"], None, None, loc["x"], loc["qr"], packed_seq_params=psp, up_v_weight=up_v)
@@ -116,22 +116,32 @@ def _run_case(name, cp, rank):
         carrier = psp if psp is not None else cfg
         holder = getattr(carrier, att._HOLDER_ATTR, {})
         r["indices"] = holder.get(layer)
-        res[layer] = r
+        res[layer] = _to_cpu(r)
     return res
 
 
-def _worker(rank, store, out_dir):
-    torch.cuda.current_device = lambda: "cpu"  # megatron-core asks CUDA for a device (tests/megatron_cpu.py)
+def _to_cpu(x):
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu"):
+    """Every CP size in ``cps`` (world // cp CP groups), every case; gloo (CUDA tensors go through the host)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    if device == "cpu":
+        torch.cuda.current_device = lambda: "cpu"  # megatron-core asks CUDA for a device (tests/megatron_cpu.py)
+    else:
+        torch.cuda.set_device(0)  # all ranks share the one GPU
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     res = {}
-    for cp in (1, 2, 4):
+    for cp in cps:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(context_parallel_size=cp)
         for name in CASES:
-            res[(name, cp)] = _run_case(name, cp, rank)
+            res[(name, cp)] = _run_case(name, cp, rank, device)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -154,8 +164,13 @@ def _close(a, b, what):
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("name", list(CASES))
 def test_cp_matches_cp1(cp_results, name, cp):
+    check_parity(cp_results, name, cp, WORLD)
+
+
+def check_parity(cp_results, name, cp, world):
+    """Every CP group of ``cp`` ranks against the CP = 1 run of rank 0 (see the module docstring)."""
     sharing = CASES[name][4]
-    groups = [list(range(g, g + cp)) for g in range(0, WORLD, cp)]
+    groups = [list(range(g, g + cp)) for g in range(0, world, cp)]
     for group in groups:
         for layer in LAYERS_SHARING if sharing else LAYERS_PLAIN:
             ref = cp_results[0][(name, 1)][layer]
