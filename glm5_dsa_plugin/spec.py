@@ -171,6 +171,20 @@ def check_index_sharing_split(config, layer_ids: list[int]) -> None:
                               config.dsa_indexer_skip_topk_offset or 0)
 
 
+def _cp_layout(args, config) -> str:
+    """The core attention's CP layout; refuses the contiguous one where megatron-core's MLA would
+    rotate q / k by the wrong positions."""
+    layout = cpx.layout_from_args(args)
+    if layout == "contiguous" and (getattr(config, "context_parallel_size", 1) or 1) > 1:
+        raise ValueError(
+            "glm5_dsa_plugin.spec: --allgather-cp (slime's contiguous CP layout) with context_parallel_size > 1: "
+            "megatron-core 0.19.2's AbsorbedMLASelfAttention, which this spec uses, applies RoPE to q / k assuming "
+            "its zigzag CP layout, so positions would be wrong. Drop --allgather-cp and set cp_comm_type='allgather' "
+            "(zigzag), or use GLM5DSAttention(cp_layout='contiguous') as the core attention of an MLA that rotates by "
+            "contiguous positions (as slime's own GLM-5 MLA does)")
+    return layout
+
+
 def get_glm5_dsa_spec(args, config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
                       ) -> TransformerBlockSubmodules:
     """Decoder block spec of this pipeline stage (slime / miles ``--spec`` contract).
@@ -179,7 +193,7 @@ def get_glm5_dsa_spec(args, config, vp_stage: Optional[int] = None, pp_rank: Opt
     (``args.allgather_cp``) selects its contiguous layout, otherwise megatron-core's zigzag one."""
     _check_config(config)
     backend = _backend(config)
-    cp_layout = cpx.layout_from_args(args)
+    cp_layout = _cp_layout(args, config)
     pattern = _moe_pattern(config)
     layer_ids = _stage_layer_ids(config, vp_stage, pp_rank)
     check_index_sharing_split(config, layer_ids)
@@ -201,7 +215,7 @@ def get_glm5_dsa_mtp_spec(args, config, vp_stage: Optional[int] = None, pp_rank:
     _check_config(config)
     last_is_moe = bool(_moe_pattern(config)[-1])
     layer = ModuleSpec(module=TransformerLayer,
-                       submodules=layer_submodules(config, last_is_moe, cp_layout=cpx.layout_from_args(args)))
+                       submodules=layer_submodules(config, last_is_moe, cp_layout=_cp_layout(args, config)))
     return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=uses_transformer_engine(config),
                                   vp_stage=vp_stage, pp_rank=pp_rank)
 

@@ -70,3 +70,17 @@ def test_layout_from_slime_args():
     assert cpx.layout_from_args(Args()) == "contiguous"
     assert cpx.layout_from_args(object()) == "zigzag"
     assert cpx.layout_from_args(None) == "zigzag"
+
+
+def test_spec_refuses_slime_layout_under_megatron_mla():
+    """megatron-core's MLA rotates q / k by zigzag positions: the spec refuses --allgather-cp with CP > 1."""
+    from glm5_dsa_plugin import cards
+    from glm5_dsa_plugin.spec import get_glm5_dsa_spec
+
+    class Args:
+        allgather_cp = True
+
+    cfg = cards.card_to_transformer_config(cards.load_card("tiny"), context_parallel_size=2, mtp_num_layers=None,
+                                           cp_comm_type="allgather")
+    with pytest.raises(ValueError, match="AbsorbedMLASelfAttention, which this spec uses, applies RoPE"):
+        get_glm5_dsa_spec(Args(), cfg)
