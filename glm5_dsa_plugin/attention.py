@@ -110,6 +110,7 @@ class GLM5DSAttention(MegatronModule):
     consumes_absorbed_v_up_projection = True
     requires_dsa_inputs = True
     _HOLDER_ATTR = "_glm5_dsa_index_share_holder"
+    _CP_SHARDS_ATTR = "_glm5_dsa_cp_shards"
     backend = "auto"  # sparse_mla backend; tests and launchers may set it on the class or instance
 
     def __init__(self, config: TransformerConfig, submodules: GLM5DSAttentionSubmodules, layer_number: int,
@@ -137,13 +138,13 @@ class GLM5DSAttention(MegatronModule):
             cpx.check_layout(cp_layout, cp_comm_type)
 
     # ---------------------------------------------------------------- helpers
-    def _holder(self, packed_seq_params, attention_mask) -> dict:
+    def _holder(self, packed_seq_params, attention_mask, attr: str = _HOLDER_ATTR) -> dict:
         carrier = packed_seq_params if packed_seq_params is not None else (
             attention_mask if attention_mask is not None else self.config)
-        holder = getattr(carrier, self._HOLDER_ATTR, None)
+        holder = getattr(carrier, attr, None)
         if holder is None:
             holder = {}
-            setattr(carrier, self._HOLDER_ATTR, holder)
+            setattr(carrier, attr, holder)
         return holder
 
     @staticmethod
@@ -183,10 +184,14 @@ class GLM5DSAttention(MegatronModule):
         # ---- context parallel (allgather CP): queries stay local; kv and indexer keys are gathered
         # into global packed order below, so indices are rows of the gathered kv
         shard = None
-        if cp > 1:
-            shard = cpx.shard(cp_group, self.cp_layout, s * b, batch=b, device=query.device,
-                              cu_seqlens=packed_seq_params.cu_seqlens_q if packed else None,
-                              cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded if packed else None)
+        if cp > 1:  # one shard per micro batch, shared by its layers (on the index-sharing holder's carrier)
+            shards = self._holder(packed_seq_params, attention_mask, self._CP_SHARDS_ATTR)
+            shard_key = (id(cp_group), self.cp_layout, s, b, query.device)
+            if shard_key not in shards:
+                shards[shard_key] = cpx.shard(cp_group, self.cp_layout, s * b, batch=b, device=query.device,
+                                        cu_seqlens=packed_seq_params.cu_seqlens_q if packed else None,
+                                        cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded if packed else None)
+            shard = shards[shard_key]
             vis = shard.vis
         # ----
         elif packed:
