@@ -32,10 +32,20 @@ CASES = {
     "bshd_contiguous": ("bshd", "contiguous", (16, 2), None, False),
 }
 LAYERS_SHARING, LAYERS_PLAIN = (3, 4), (1,)
+# the attention backend, dtype and card overrides of a run: the reference in fp32 (CPU and GPU), and
+# the TileLang kernels in bf16 (GPU; shapes they take, top-k covering every visible key)
+VARIANTS = {
+    "reference": dict(backend="reference", dtype=torch.float32, card={}),
+    "tilelang": dict(backend="tilelang", dtype=torch.bfloat16,
+                     card=dict(hidden_size=256, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=128,
+                               kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+                               index_n_heads=4, index_head_dim=64, index_topk=64)),
+}
 
 
-def _card(sharing):
-    card = cards.with_overrides(cards.load_card("tiny"), indexer_loss_coeff=1.0)  # loss gradients well above tolerance
+def _card(sharing, variant="reference"):
+    card = cards.with_overrides(cards.load_card("tiny"), indexer_loss_coeff=1.0,  # loss gradients above tolerance
+                                **VARIANTS[variant]["card"])
     if sharing:
         card = cards.with_overrides(card, index_topk_freq=4, index_skip_topk_offset=3, num_hidden_layers=8)
     return card
@@ -61,27 +71,28 @@ def _local_rows(fmt, layout, sizes, padded, cp, rank):
     return dsa_layout.build_zigzag_cp_local_positions(S, cp, rank, torch.device("cpu"))
 
 
-def _inputs(card, fmt, sizes, padded, layer, g):
+def _inputs(card, fmt, sizes, padded, g):
     H, lora, dv = card["num_attention_heads"], card["kv_lora_rank"], card["v_head_dim"]
     dq = lora + card["qk_rope_head_dim"]
     S, B = (sum(padded or sizes), 1) if fmt == "thd" else sizes
     t = dict(query=torch.randn(S, B, H, dq, generator=g), key=torch.randn(S, B, 1, dq, generator=g),
-             x=torch.randn(S, B, card["hidden_size"], generator=g), qr=torch.randn(S, B, card["q_lora_rank"], generator=g),
+             x=torch.randn(S, B, card["hidden_size"], generator=g),
+             qr=torch.randn(S, B, card["q_lora_rank"], generator=g),
              up_v=torch.randn(H, dv, lora, generator=g) * 0.2, grad=torch.randn(S, B, H * dv, generator=g))
     return t
 
 
-def _packed(sizes, padded):
+def _packed(sizes, padded, device):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = torch.tensor([0] + list(sizes)).cumsum(0).to(torch.int32)
-    cu_pad = None if padded is None else torch.tensor([0] + list(padded)).cumsum(0).to(torch.int32)
+    cu = torch.tensor([0] + list(sizes)).cumsum(0).to(device, torch.int32)
+    cu_pad = None if padded is None else torch.tensor([0] + list(padded)).cumsum(0).to(device, torch.int32)
     mx = int(max(padded or sizes))
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
                            cu_seqlens_kv_padded=cu_pad, max_seqlen_q=mx, max_seqlen_kv=mx)
 
 
-def _run_case(name, cp, rank, device="cpu"):
+def _run_case(name, cp, rank, device="cpu", variant="reference"):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import build_module
@@ -89,13 +100,15 @@ def _run_case(name, cp, rank, device="cpu"):
     from glm5_dsa_plugin.spec import dsa_attention_spec
 
     fmt, layout, sizes, padded, sharing = CASES[name]
-    card = _card(sharing)
+    var = VARIANTS[variant]
+    card = _card(sharing, variant)
     cfg = cards.card_to_transformer_config(card, mtp_num_layers=None, context_parallel_size=cp,
-                                           cp_comm_type="allgather" if cp > 1 else None)
+                                           cp_comm_type="allgather" if cp > 1 else None, params_dtype=var["dtype"],
+                                           bf16=var["dtype"] == torch.bfloat16)
     pgc = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
     cp_rank = torch.distributed.get_rank(pgc.cp) if cp > 1 else 0
     rows = _local_rows(fmt, layout, sizes, padded, cp, cp_rank)
-    psp = _packed(sizes, padded) if fmt == "thd" else None
+    psp = _packed(sizes, padded, device) if fmt == "thd" else None
     g = torch.Generator().manual_seed(1)
     res = {"rows": rows}
     for layer in LAYERS_SHARING if sharing else LAYERS_PLAIN:
@@ -103,9 +116,9 @@ def _run_case(name, cp, rank, device="cpu"):
         core = dsa_attention_spec(cfg, cp_layout=layout).submodules.core_attention
         att = build_module(core, config=cfg, layer_number=layer, attn_mask_type=AttnMaskType.causal,
                            attention_type="self", softmax_scale=32**-0.5, cp_comm_type="allgather",
-                           pg_collection=pgc).train().to(device)
-        att.backend = "reference"
-        t = {k: v.to(device) for k, v in _inputs(card, fmt, sizes, padded, layer, g).items()}
+                           pg_collection=pgc).train().to(device, var["dtype"])
+        att.backend = var["backend"]
+        t = {k: v.to(device, var["dtype"]) for k, v in _inputs(card, fmt, sizes, padded, g).items()}
         loc = {k: t[k][rows].clone().requires_grad_(True) for k in ("query", "key", "x", "qr")}
         up_v = t["up_v"].clone().requires_grad_(True)
         out = att(loc["query"], loc["key"], None, None, loc["x"], loc["qr"], packed_seq_params=psp, up_v_weight=up_v)
@@ -126,7 +139,7 @@ def _to_cpu(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu"):
+def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu", variant="reference"):
     """Every CP size in ``cps`` (world // cp CP groups), every case; gloo (CUDA tensors go through the host)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -141,7 +154,7 @@ def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu"):
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(context_parallel_size=cp)
         for name in CASES:
-            res[(name, cp)] = _run_case(name, cp, rank, device)
+            res[(name, cp)] = _run_case(name, cp, rank, device, variant)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -154,9 +167,15 @@ def cp_results(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-def _close(a, b, what):
+def _close(a, b, what, bf16=False):
+    """fp32: elementwise (rtol 1e-4); bf16: relative L2 error below 2e-2."""
     if a is None or b is None:
         assert a is None and b is None, f"{what}: one side has no gradient"
+        return
+    if bf16:
+        a, b = a.float(), b.float()
+        err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert err < 2e-2, f"{what}: relative L2 error {err:.3g}"
         return
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
@@ -167,8 +186,10 @@ def test_cp_matches_cp1(cp_results, name, cp):
     check_parity(cp_results, name, cp, WORLD)
 
 
-def check_parity(cp_results, name, cp, world):
-    """Every CP group of ``cp`` ranks against the CP = 1 run of rank 0 (see the module docstring)."""
+def check_parity(cp_results, name, cp, world, bf16=False):
+    """Every CP group of ``cp`` ranks against the CP = 1 run of rank 0 (see the module docstring).
+    ``bf16``: tolerances of bf16 kernels, and each row's selected keys compared as a set (the
+    TileLang variant's top-k covers every visible key; only the order of near-equal scores may move)."""
     sharing = CASES[name][4]
     groups = [list(range(g, g + cp)) for g in range(0, world, cp)]
     for group in groups:
@@ -178,24 +199,30 @@ def check_parity(cp_results, name, cp, world):
             for r, loc in zip(group, locs):
                 rows, got = loc["rows"], loc[layer]
                 what = f"{name} CP={cp} rank {r} layer {layer}"
-                _close(got["out"], ref["out"][rows], f"{what} out")
+                _close(got["out"], ref["out"][rows], f"{what} out", bf16)
                 for k in ("dquery", "dkey", "dx", "dqr"):
                     _close(None if got[k] is None else got[k] / cp,
-                           None if ref[k] is None else ref[k][rows], f"{what} {k}")
+                           None if ref[k] is None else ref[k][rows], f"{what} {k}", bf16)
                 if ref["indices"] is not None or got["indices"] is not None:
                     assert got["indices"] is not None and ref["indices"] is not None, what
                     packed_rows = rows if CASES[name][0] == "thd" else torch.cat(  # bshd: batch-major rows
                         [b * CASES[name][2][0] + rows for b in range(CASES[name][2][1])])
-                    assert torch.equal(got["indices"], ref["indices"][packed_rows]), f"{what} indices"
+                    want = ref["indices"][packed_rows]
+                    if bf16:
+                        got_i, want = got["indices"].sort(-1).values, want.sort(-1).values
+                    else:
+                        got_i = got["indices"]
+                    assert torch.equal(got_i, want), f"{what} indices"
             # parameters (and up_v, an input shared by all ranks): megatron averages over CP
             what = f"{name} CP={cp} ranks {group} layer {layer}"
-            _close(sum(loc[layer]["up_v"] for loc in locs) / cp, ref["up_v"], f"{what} d up_v")
+            _close(sum(loc[layer]["up_v"].float() for loc in locs) / cp, ref["up_v"].float(), f"{what} d up_v", bf16)
             for n, p in ref["params"].items():
                 grads = [loc[layer]["params"][n] for loc in locs]
                 if p is None:
                     assert all(x is None for x in grads), f"{what} {n}"
                     continue
-                _close(sum(grads) / cp, p, f"{what} grad {n}")
+                _close(sum(x.float() for x in grads) / cp, p.float(), f"{what} grad {n}", bf16)
             if ref["loss"] is not None:
-                torch.testing.assert_close(sum(loc[layer]["loss"] for loc in locs) / cp, ref["loss"], rtol=1e-5,
-                                           atol=1e-8, msg=lambda m: f"{what} indexer loss: {m}")
+                torch.testing.assert_close(sum(loc[layer]["loss"].float() for loc in locs) / cp, ref["loss"].float(),
+                                           rtol=1e-2 if bf16 else 1e-5, atol=1e-8,
+                                           msg=lambda m: f"{what} indexer loss: {m}")
