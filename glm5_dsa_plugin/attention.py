@@ -8,6 +8,11 @@ and whose attention is :func:`glm5_dsa_plugin.ops.sparse_mla`. It never calls a 
 Layouts: Megatron hands us sbhd (``[s, b, h, d]``) or packed THD (``[t, h, d]`` / ``[t, 1, h, d]``
 with ``PackedSeqParams``). Internally every batch is flattened to one packed sequence set, so
 bshd is THD with ``cu_seqlens = [0, s, 2s, ...]``; indices are positions in that packed kv.
+
+Context parallel (allgather CP, :mod:`glm5_dsa_plugin.context_parallel`): each rank holds ``T / cp``
+rows (megatron-core's zigzag layout, or slime's contiguous one with ``cp_layout="contiguous"``);
+queries stay local, the latent kv and the indexer keys are all-gathered into global packed order,
+so indices are rows of the gathered kv; ``cu_seqlens`` describe the global packed sequence.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
+from . import context_parallel as cpx
 from . import indexer as ix
 from .dsa_config import check_dsa_config
 from .ops import guard_policy, sparse_mla
@@ -115,13 +121,14 @@ class GLM5DSAttention(MegatronModule):
     consumes_absorbed_v_up_projection = True
     requires_dsa_inputs = True
     _HOLDER_ATTR = "_glm5_dsa_index_share_holder"
+    _CP_SHARDS_ATTR = "_glm5_dsa_cp_shards"
     backend = "auto"  # sparse_mla backend; tests and launchers may set it on the class or instance
 
     def __init__(self, config: TransformerConfig, submodules: GLM5DSAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType, attention_type: str, attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, k_channels: Optional[int] = None,
                  v_channels: Optional[int] = None, cp_comm_type: str = "p2p",
-                 pg_collection: ProcessGroupCollection = None):
+                 pg_collection: ProcessGroupCollection = None, cp_layout: str = "zigzag"):
         super().__init__(config=config)
         self.layer_number = layer_number
         self.topk_freq = config.dsa_indexer_topk_freq or 1
@@ -138,15 +145,18 @@ class GLM5DSAttention(MegatronModule):
             softmax_scale = 1.0 / math.sqrt(k_channels if k_channels is not None else config.kv_channels)
         self.softmax_scale = softmax_scale
         self.cp_comm_type = cp_comm_type
+        self.cp_layout = cp_layout  # allgather CP layout: "zigzag" (megatron-core) or "contiguous" (slime)
+        if get_pg_size(getattr(pg_collection, "cp", None)) > 1:
+            cpx.check_layout(cp_layout, cp_comm_type)
 
     # ---------------------------------------------------------------- helpers
-    def _holder(self, packed_seq_params, attention_mask) -> dict:
+    def _holder(self, packed_seq_params, attention_mask, attr: str = _HOLDER_ATTR) -> dict:
         carrier = packed_seq_params if packed_seq_params is not None else (
             attention_mask if attention_mask is not None else self.config)
-        holder = getattr(carrier, self._HOLDER_ATTR, None)
+        holder = getattr(carrier, attr, None)
         if holder is None:
             holder = {}
-            setattr(carrier, self._HOLDER_ATTR, holder)
+            setattr(carrier, attr, holder)
         return holder
 
     @staticmethod
@@ -166,11 +176,8 @@ class GLM5DSAttention(MegatronModule):
                 attention_bias=None, packed_seq_params: PackedSeqParams = None, up_v_weight=None):
         if attention_bias is not None:
             raise ValueError("GLM5DSAttention does not take an attention_bias")
-        cp = get_pg_size(getattr(self.pg_collection, "cp", None))
-        if cp > 1:
-            raise NotImplementedError(
-                "GLM5DSAttention: context parallelism is not wired into the Megatron module yet "
-                "(the indexer supports the allgather layout: glm5_dsa_plugin.indexer.Visibility.rows)")
+        cp_group = getattr(self.pg_collection, "cp", None)
+        cp = get_pg_size(cp_group)
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed and query.dim() == 3:
             query, key = query.unsqueeze(1), key.unsqueeze(1)
@@ -184,9 +191,22 @@ class GLM5DSAttention(MegatronModule):
             if qr.shape[0] * tp == s:
                 qr = gather_from_sequence_parallel_region(qr, group=self.pg_collection.tp)
 
-        if packed:
-            if b != 1:
-                raise ValueError(f"packed THD input must have batch 1, got {b}")
+        if packed and b != 1:
+            raise ValueError(f"packed THD input must have batch 1, got {b}")
+        # ---- context parallel (allgather CP): queries stay local; kv and indexer keys are gathered
+        # into global packed order below, so indices are rows of the gathered kv
+        shard = None
+        if cp > 1:  # one shard per micro batch, shared by its layers (on the index-sharing holder's carrier)
+            shards = self._holder(packed_seq_params, attention_mask, self._CP_SHARDS_ATTR)
+            shard_key = (id(cp_group), self.cp_layout, s, b, query.device)
+            if shard_key not in shards:
+                shards[shard_key] = cpx.shard(cp_group, self.cp_layout, s * b, batch=b, device=query.device,
+                                        cu_seqlens=packed_seq_params.cu_seqlens_q if packed else None,
+                                        cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded if packed else None)
+            shard = shards[shard_key]
+            vis = shard.vis
+        # ----
+        elif packed:
             vis = ix.Visibility.from_cu_seqlens(packed_seq_params.cu_seqlens_q, device=query.device,
                                                 cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded)
             if int(vis.query_seq.shape[0]) != s:
@@ -216,11 +236,16 @@ class GLM5DSAttention(MegatronModule):
             kv_att = torch.cat([v, k], dim=-1)
             backend = "reference"
 
+        if shard is not None:  # CP: the latent kv of the whole sequence set
+            kv_att = shard.gather(kv_att)
+
         holder = self._holder(packed_seq_params, attention_mask)
         index_logits = None
         if self.indexer is not None:
             # detached inputs, as in megatron-core: the indexer loss trains the indexer only, never the trunk
             qi, ki, wi = self.indexer.qkw(xs.detach(), qrs.detach(), vis.query_pos)
+            if shard is not None:  # CP: the indexer keys of the whole sequence set
+                ki = shard.gather(ki)
             indices = ix.select_topk(qi.detach(), ki.detach(), wi.detach(), self.indexer.topk, vis, check=False)
             if self.topk_freq > 1:  # only kept when later layers reuse them (index sharing)
                 holder[self.layer_number] = indices
@@ -265,7 +290,9 @@ class GLM5DSAttention(MegatronModule):
         loss = ix.indexer_kl_loss(index_logits, q_att.detach(), kv_att.detach(), indices,
                                   self.softmax_scale, self.config.dsa_indexer_loss_coeff, head_sum_reduce=reduce,
                                   lse=lse.detach())
-        if torch.cuda.is_available():
-            DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, self.config.num_layers)
+        if torch.cuda.is_available():  # CP: each rank's loss covers its query rows; the log averages them
+            groups = cpx.indexer_loss_tracker_groups(getattr(self.pg_collection, "cp", None),
+                                                     bool(getattr(self.config, "calculate_per_token_loss", False)))
+            DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, self.config.num_layers, **groups)
         self.last_indexer_loss = loss.detach()
         return DSAIndexerLossAutoScaler.apply(out, loss)

@@ -57,7 +57,17 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
-    ap.add_argument("--micro-batch-seq", type=int, default=4096, help="dry run: tokens per micro batch")
+    ap.add_argument("--micro-batch-seq", type=int, default=4096,
+                    help="dry run: tokens per micro batch (global, before the CP split)")
+    ap.add_argument("--allgather-cp", action="store_true",
+                    help="slime's flag: DSA allgather CP over the contiguous layout (default: megatron-core's zigzag)")
+    ap.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                    help="layers of the first pipeline stage (megatron-core's argument; dry run)")
+    ap.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                    help="layers of the last pipeline stage (megatron-core's argument; dry run)")
+    ap.add_argument("--recipe", default=None,
+                    help="a parallel layout named in the card's _recipes (e.g. glm5.2's slime-rl-64k); "
+                         "flags given on the command line win")
     return ap
 
 
@@ -266,9 +276,30 @@ def lm_step(args, model, card) -> Callable[[int], StepResult]:
 
 
 # --------------------------------------------------------------------------- entry
+def apply_recipe(args, card: dict):
+    """Fill ``args`` from the card's ``_recipes[args.recipe]`` (argparse names: tp, pp, cp, ep,
+    micro_batch_seq, allgather_cp, decoder_*_pipeline_num_layers) where the command line kept the
+    parser's default."""
+    if not args.recipe:
+        return args
+    recipes = card.get("_recipes", {})
+    if args.recipe not in recipes:
+        raise SystemExit(f"--recipe {args.recipe!r}: the card has {sorted(recipes) or 'no recipes'}")
+    defaults = base_parser("defaults").parse_args([])
+    for key, value in recipes[args.recipe].items():
+        if key == "description":
+            continue
+        if not hasattr(defaults, key):
+            raise SystemExit(f"recipe {args.recipe!r}: unknown field {key!r}")
+        if getattr(args, key) == getattr(defaults, key):
+            setattr(args, key, value)
+    return args
+
+
 def run_dry(args) -> int:
     from .planning import plan_and_print
 
     args.device = "cpu"  # meta-device build: single-process gloo state, no GPU
     init_parallel(args)
-    return plan_and_print(args, load_card_from_args(args))
+    card = load_card_from_args(args)
+    return plan_and_print(apply_recipe(args, card), card)

@@ -59,6 +59,27 @@ def balanced_split(n_layers: int, pp: int, freq: int, offset: int) -> list[tuple
     return out[::-1]
 
 
+def split_with_ends(n_layers: int, pp: int, first: int | None, last: int | None, freq: int, offset: int
+                    ) -> list[tuple[int, int]]:
+    """Stages (first, last), 1-indexed, as megatron-core's ``--decoder-first-pipeline-num-layers`` /
+    ``--decoder-last-pipeline-num-layers`` lay them out (the other stages share the rest evenly);
+    every stage must start on a layer that computes its indices."""
+    first_n, last_n = first or 0, last or 0
+    inner = pp - (first is not None) - (last is not None)
+    rest = n_layers - first_n - last_n
+    if inner < 0 or rest < 0 or (inner == 0 and rest) or (inner and rest % inner):
+        raise ValueError(f"{n_layers} layers do not split into pp={pp} stages with first={first}, last={last} "
+                         f"({rest} layers left for {inner} middle stages)")
+    sizes = ([first_n] if first is not None else []) + [rest // max(inner, 1)] * inner \
+        + ([last_n] if last is not None else [])
+    out, a = [], 1
+    for k in sizes:
+        ix.check_stage_layers(a, a + k - 1, freq, offset)
+        out.append((a, a + k - 1))
+        a += k
+    return out
+
+
 def _per_rank_params(module: torch.nn.Module, tp: int, ep: int) -> int:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -127,13 +148,57 @@ def attention_activation_bytes(card: dict, tp: int, cp: int, seq: int, computes:
     return sum(attention_activation_parts(card, tp, cp, seq, computes).values())
 
 
-def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int) -> tuple[list[Stage], dict]:
+def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: bool,
+                              cp_layout: str = "zigzag") -> dict[str, dict[str, int]]:
+    """Bytes one DSA layer allocates on top of what it keeps (:func:`attention_activation_parts`),
+    per phase, on a GPU rank (bf16 activations, Triton indexer scores). ``seq`` is the global
+    micro-batch length; ``T = seq`` rows are gathered over CP, ``S_loc = seq / cp`` are local.
+
+    * ``gather``: the all-gather's rank-major buffers of kv and indexer keys before their reorder
+      into global order (zigzag layout only; the contiguous layout gathers in global order);
+    * ``topk``: one chunk of the indexer's top-k over local query rows against all ``T`` keys
+      (fp32 scores, int64 cumsum and order keys, bool masks; chunk rows as ``select_topk`` picks);
+    * ``indexer_loss``: the reference indexer-loss path (``selected_scores`` and
+      ``indexer_kl_loss``: gathered indexer keys and latent kv at the selected slots, in fp32);
+    * ``backward``: the gathered kv's gradient (TileLang's fp32 dKV plus its bf16 result; the
+      zigzag layout's reorder buffer before the reduce-scatter), the indexer keys' gradient, the
+      local dq."""
+    H, Hi, Di = card["num_attention_heads"] // tp, card["index_n_heads"], card["index_head_dim"]
+    S_loc, T, K = seq // cp, seq, card["index_topk"]
+    dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
+    reorder = cp > 1 and cp_layout == "zigzag"
+    gather = dict(kv=T * dq * 2 * reorder, indexer_k=T * Di * 2 * reorder * computes)
+    rows = min(S_loc, max(1, (ix._CHUNK_ELEMS * 8) // max(1, Hi * T)))  # select_topk's chunk on a GPU
+    topk = dict(scores=rows * T * (4 + 8 + 8 + 3)) if computes else {}
+    loss = dict(selected_keys=S_loc * K * Di * (2 + 4), selected_logits=S_loc * Hi * K * 4 * 2,
+                selected_kv=S_loc * K * dq * (2 + 4), target=S_loc * H * K * 4 * 3) if computes else {}
+    backward = dict(dkv=(T + 1) * dq * (4 + 2) + T * dq * 2 * reorder, dq=S_loc * H * dq * 2,
+                    indexer_dk=(T * Di * 2 * (1 + reorder)) * computes)
+    return dict(gather=gather, topk=topk, indexer_loss=loss, backward=backward)
+
+
+def layer_peak_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool, cp_layout: str = "zigzag",
+                     indexer_loss: bool = True) -> tuple[int, str]:
+    """(peak bytes, phase) of one DSA layer on one rank: what it keeps plus its largest phase
+    (:func:`attention_transient_parts`); ``indexer_loss=False`` leaves the loss phase out."""
+    kept = attention_activation_bytes(card, tp, cp, seq, computes)
+    phases = {k: sum(v.values()) for k, v in attention_transient_parts(card, tp, cp, seq, computes,
+                                                                        cp_layout).items()}
+    if not indexer_loss:
+        phases.pop("indexer_loss")
+    phase = max(phases, key=phases.get)
+    return kept + phases[phase], phase
+
+
+def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int, first_stage_layers: int | None = None,
+         last_stage_layers: int | None = None, cp_layout: str = "zigzag") -> tuple[list[Stage], dict]:
     n = card["num_hidden_layers"]
     k = card.get("first_k_dense_replace", 0)
     freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
-    if card["num_attention_heads"] % tp or card["n_routed_experts"] % ep or seq % cp:
+    parts = 2 * cp if cp_layout == "zigzag" and cp > 1 else cp  # zigzag: 2 * cp chunks per sequence
+    if card["num_attention_heads"] % tp or card["n_routed_experts"] % ep or seq % parts:
         raise ValueError(f"layout does not divide the model: heads {card['num_attention_heads']} / tp {tp}, "
-                         f"experts {card['n_routed_experts']} / ep {ep}, seq {seq} / cp {cp}")
+                         f"experts {card['n_routed_experts']} / ep {ep}, seq {seq} / {parts} CP chunks")
     config = cards.card_to_transformer_config(card, moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
                                               transformer_impl="local", mtp_num_layers=None)
     kinds = {}
@@ -147,7 +212,11 @@ def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int) -> tuple[list
     V, Hd = card["vocab_size"], card["hidden_size"]
     embed = V * Hd // tp
     stages = []
-    for s, (a, b) in enumerate(balanced_split(n, pp, freq, off)):
+    if first_stage_layers is None and last_stage_layers is None:
+        split = balanced_split(n, pp, freq, off)
+    else:
+        split = split_with_ends(n, pp, first_stage_layers, last_stage_layers, freq, off)
+    for s, (a, b) in enumerate(split):
         st = Stage(s, a, b)
         for L in range(a, b + 1):
             is_moe, comp = L > k, ix.computes_indices(L, freq, off)
@@ -163,17 +232,32 @@ def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int) -> tuple[list
                 st.params_per_rank += kinds[(True, True)] + 2 * Hd * Hd + 3 * Hd  # MTP layer, eh_proj, 3 norms
         stages.append(st)
     info = dict(layer_params_per_rank={f"{'moe' if m else 'dense'}{'' if c else '+reuse'}": v
-                                       for (m, c), v in kinds.items()}, embedding_per_rank=embed)
+                                       for (m, c), v in kinds.items()}, embedding_per_rank=embed,
+                layer_peak={c: {loss: layer_peak_bytes(card, tp, cp, seq, c, cp_layout, loss)
+                                for loss in (True, False)} for c in ((True, False) if freq > 1 else (True,))})
     return stages, info
 
 
 def plan_and_print(args, card: dict) -> int:
-    stages, info = plan(card, args.tp, args.pp, args.ep, args.cp, args.micro_batch_seq)
+    from .context_parallel import layout_from_args
+
+    layout = layout_from_args(args)
+    stages, info = plan(card, args.tp, args.pp, args.ep, args.cp, args.micro_batch_seq,
+                        getattr(args, "decoder_first_pipeline_num_layers", None),
+                        getattr(args, "decoder_last_pipeline_num_layers", None), layout)
     name = card.get("_card", {}).get("name", "card")
     freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
-    print(f"dry run: {name}  TP{args.tp} PP{args.pp} EP{args.ep} CP{args.cp}  micro batch {args.micro_batch_seq} tokens  "
-          f"(index_topk_freq={freq}, index_skip_topk_offset={off}); built on the meta device, nothing allocated")
+    cp_desc = f" ({layout} allgather CP)" if args.cp > 1 else ""
+    print(f"dry run: {name}  TP{args.tp} PP{args.pp} EP{args.ep} CP{args.cp}{cp_desc}  micro batch "
+          f"{args.micro_batch_seq} tokens (global)  (index_topk_freq={freq}, index_skip_topk_offset={off}); "
+          f"built on the meta device, nothing allocated")
     print(f"per-rank parameters of one layer: {info['layer_params_per_rank']}")
+    for computes, by_loss in info["layer_peak"].items():
+        (with_loss, phase), (without, phase2) = by_loss[True], by_loss[False]
+        kind = "computes" if computes else "reuses"
+        print(f"one DSA layer ({kind} indices), per rank, {args.micro_batch_seq // args.cp} local "
+              f"of {args.micro_batch_seq} tokens: peak {with_loss / GIB:.2f} GiB ({phase}); "
+              f"without the indexer-loss phase {without / GIB:.2f} GiB ({phase2})")
     print(f"{'stage':>5} {'layers':>9} {'dense':>5} {'moe':>4} {'params/rank':>14} {'attn act GiB':>12}  indices")
     total = 0
     for st in stages:

@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from . import context_parallel as cpx
 from . import indexer as ix
 from .attention import GLM5DSAIndexer, GLM5DSAIndexerSubmodules, GLM5DSAttention, GLM5DSAttentionSubmodules
 
@@ -77,8 +78,9 @@ def _check_config(config) -> None:
         raise ValueError("glm5_dsa_plugin.spec: GLM-5 DSA needs multi_latent_attention=True")
 
 
-def dsa_attention_spec(config, backend=None) -> ModuleSpec:
-    """AbsorbedMLASelfAttention whose core attention is :class:`GLM5DSAttention`."""
+def dsa_attention_spec(config, backend=None, cp_layout: str = "zigzag") -> ModuleSpec:
+    """AbsorbedMLASelfAttention whose core attention is :class:`GLM5DSAttention`; ``cp_layout`` is
+    the allgather-CP layout (see :mod:`glm5_dsa_plugin.context_parallel`)."""
     from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
         AbsorbedMLASelfAttention,
         AbsorbedMLASelfAttentionSubmodules,
@@ -91,6 +93,7 @@ def dsa_attention_spec(config, backend=None) -> ModuleSpec:
     down = backend.column_parallel_linear() if local else backend.linear()
     core = ModuleSpec(
         module=GLM5DSAttention,
+        params={"cp_layout": cp_layout},
         submodules=GLM5DSAttentionSubmodules(
             indexer=ModuleSpec(
                 module=GLM5DSAIndexer,
@@ -129,7 +132,7 @@ def _moe_pattern(config) -> list[int]:
     return get_moe_layer_pattern(config)
 
 
-def layer_submodules(config, is_moe: bool, backend=None) -> TransformerLayerSubmodules:
+def layer_submodules(config, is_moe: bool, backend=None, cp_layout: str = "zigzag") -> TransformerLayerSubmodules:
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
     from megatron.core.transformer.torch_norm import L2Norm  # noqa: F401  (import check of the local stack)
@@ -148,7 +151,7 @@ def layer_submodules(config, is_moe: bool, backend=None) -> TransformerLayerSubm
     pre_mlp_norm_fused = not is_moe and backend.fuse_layernorm_and_linear()
     return TransformerLayerSubmodules(
         input_layernorm=backend.layer_norm(rms_norm=rms, for_qk=False),
-        self_attention=dsa_attention_spec(config, backend),
+        self_attention=dsa_attention_spec(config, backend, cp_layout),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=IdentityOp if pre_mlp_norm_fused else backend.layer_norm(rms_norm=rms, for_qk=False),
         mlp=mlp,
@@ -173,17 +176,33 @@ def check_index_sharing_split(config, layer_ids: list[int]) -> None:
                               config.dsa_indexer_skip_topk_offset or 0)
 
 
+def _cp_layout(args, config) -> str:
+    """The core attention's CP layout; refuses the contiguous one where megatron-core's MLA would
+    rotate q / k by the wrong positions."""
+    layout = cpx.layout_from_args(args)
+    if layout == "contiguous" and (getattr(config, "context_parallel_size", 1) or 1) > 1:
+        raise ValueError(
+            "glm5_dsa_plugin.spec: --allgather-cp (slime's contiguous CP layout) with context_parallel_size > 1: "
+            "megatron-core 0.19.2's AbsorbedMLASelfAttention, which this spec uses, applies RoPE to q / k assuming "
+            "its zigzag CP layout, so positions would be wrong. Drop --allgather-cp and set cp_comm_type='allgather' "
+            "(zigzag), or use GLM5DSAttention(cp_layout='contiguous') as the core attention of an MLA that rotates by "
+            "contiguous positions (as slime's own GLM-5 MLA does)")
+    return layout
+
+
 def get_glm5_dsa_spec(args, config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
                       ) -> TransformerBlockSubmodules:
     """Decoder block spec of this pipeline stage (slime / miles ``--spec`` contract).
 
-    ``args`` is accepted for the contract and unused: everything comes from ``config``."""
+    Everything comes from ``config`` except the allgather-CP layout: slime's ``--allgather-cp``
+    (``args.allgather_cp``) selects its contiguous layout, otherwise megatron-core's zigzag one."""
     _check_config(config)
     backend = _backend(config)
+    cp_layout = _cp_layout(args, config)
     pattern = _moe_pattern(config)
     layer_ids = _stage_layer_ids(config, vp_stage, pp_rank)
     check_index_sharing_split(config, layer_ids)
-    specs = {m: ModuleSpec(module=TransformerLayer, submodules=layer_submodules(config, bool(m), backend))
+    specs = {m: ModuleSpec(module=TransformerLayer, submodules=layer_submodules(config, bool(m), backend, cp_layout))
              for m in set(pattern[i] for i in layer_ids)}
     return TransformerBlockSubmodules(
         layer_specs=[specs[pattern[i]] for i in layer_ids],
@@ -200,7 +219,8 @@ def get_glm5_dsa_mtp_spec(args, config, vp_stage: Optional[int] = None, pp_rank:
         return None
     _check_config(config)
     last_is_moe = bool(_moe_pattern(config)[-1])
-    layer = ModuleSpec(module=TransformerLayer, submodules=layer_submodules(config, last_is_moe))
+    layer = ModuleSpec(module=TransformerLayer,
+                       submodules=layer_submodules(config, last_is_moe, cp_layout=_cp_layout(args, config)))
     return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=uses_transformer_engine(config),
                                   vp_stage=vp_stage, pp_rank=pp_rank)
 

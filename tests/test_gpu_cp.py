@@ -1,0 +1,28 @@
+"""Allgather CP = 2 against CP = 1 on one GPU: two processes share the H200 and talk through gloo
+(CUDA tensors staged through the host). Same cases and checks as tests/test_cp_cpu.py on the CUDA
+paths: the reference attention in fp32 (exact checks; the fused Triton indexer scores with local
+query rows against the gathered keys), and the TileLang kernels in bf16 (bf16 tolerances)."""
+
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from test_cp_cpu import CASES, _worker, check_parity
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=["reference", "tilelang"])
+def gpu_cp_results(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"cp_gpu_{request.param}")
+    store = tempfile.NamedTemporaryFile(prefix="glm5_dsa_cp_gpu_", delete=False).name
+    mp.spawn(_worker, args=(store, str(out), 2, (1, 2), "cuda", request.param), nprocs=2, join=True)
+    return request.param, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_cp2_matches_cp1(gpu_cp_results, name):
+    variant, results = gpu_cp_results
+    check_parity(results, name, 2, 2, bf16=variant == "tilelang")
