@@ -156,10 +156,11 @@ def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: 
 
     * ``gather``: the all-gather's rank-major buffers of kv and indexer keys before their reorder
       into global order (zigzag layout only; the contiguous layout gathers in global order);
-    * ``topk``: one chunk of the indexer's top-k over local query rows against all ``T`` keys
-      (fp32 scores, int64 cumsum and order keys, bool masks; chunk rows as ``select_topk`` picks);
-    * ``indexer_loss``: the reference indexer-loss path (``selected_scores`` and
-      ``indexer_kl_loss``: gathered indexer keys and latent kv at the selected slots, in fp32);
+    * ``topk``: one row block of the indexer's top-k over local query rows against all ``T`` keys
+      (int64 keys, as ``select_topk`` sizes the block, and ``topk``'s int64 values and indices);
+    * ``indexer_loss``: the fused loss path: [S_loc, K] fp32 logits, target (raw and normalised),
+      their gradient and one row block of the KL's temporaries, and the indexer keys' fp32
+      gradient accumulator; nothing of size [S_loc, K, D];
     * ``backward``: the gathered kv's gradient (TileLang's fp32 dKV plus its bf16 result; the
       zigzag layout's reorder buffer before the reduce-scatter), the indexer keys' gradient, the
       local dq."""
@@ -168,10 +169,10 @@ def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: 
     dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
     reorder = cp > 1 and cp_layout == "zigzag"
     gather = dict(kv=T * dq * 2 * reorder, indexer_k=T * Di * 2 * reorder * computes)
-    rows = min(S_loc, max(1, (ix._CHUNK_ELEMS * 8) // max(1, Hi * T)))  # select_topk's chunk on a GPU
-    topk = dict(scores=rows * T * (4 + 8 + 8 + 3)) if computes else {}
-    loss = dict(selected_keys=S_loc * K * Di * (2 + 4), selected_logits=S_loc * Hi * K * 4 * 2,
-                selected_kv=S_loc * K * dq * (2 + 4), target=S_loc * H * K * 4 * 3) if computes else {}
+    rows = min(S_loc, max(1, ix._KEY_CHUNK_BYTES // (8 * T)))  # select_topk's row block on a GPU
+    topk = dict(keys=rows * T * 8, topk_out=rows * K * 16) if computes else {}
+    loss = dict(logits=S_loc * K * 4, target=S_loc * K * 4 * 2, logits_grad=S_loc * K * 4,
+                kl_block=min(S_loc, 4096) * K * 4 * 4, indexer_dk_fp32=T * Di * 4) if computes else {}
     backward = dict(dkv=(T + 1) * dq * (4 + 2) + T * dq * 2 * reorder, dq=S_loc * H * dq * 2,
                     indexer_dk=(T * Di * 2 * (1 + reorder)) * computes)
     return dict(gather=gather, topk=topk, indexer_loss=loss, backward=backward)
