@@ -60,7 +60,7 @@ def test_selected_scores_kernels_match_reference_at_glm5_sizes():
     # the reference runs on fp32 copies: its index backward would accumulate dk in k's dtype (bf16)
     for name, fn, dt in (("kernel", ix.selected_scores, torch.bfloat16),
                          ("reference", ix.selected_scores_reference, torch.float32)):
-        qq, kk, ww = (t.to(dt).requires_grad_(True) for t in (q, k, w))
+        qq, kk, ww = (t.detach().to(dt).requires_grad_(True) for t in (q, k, w))
         s = fn(qq, kk, ww, idx)
         s.masked_fill(idx < 0, 0.0).mul(grad).sum().backward()
         res[name] = (s.detach(), qq.grad.float(), kk.grad.float(), ww.grad.float())
