@@ -208,6 +208,7 @@ def _prepare(args, config, vp_stage, pp_rank, mtp: bool = False):
     args, cfg, vp_stage, pp_rank = spec_config.split_call(args, config, vp_stage, pp_rank)
     spec_config.resolve_geometry(cfg, args)
     spec_config.apply_client_flags(cfg, args)
+    spec_config.check_local_path(cfg)
     _check_config(cfg)
     if upstream_builder and not mtp and getattr(cfg, "mtp_num_layers", None):
         from .megatron_lm import mtp_hook_installed

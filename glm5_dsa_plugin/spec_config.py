@@ -34,7 +34,7 @@ Client flags:
   core attention as ``cp_comm_type`` when ``context_parallel_size > 1``) and
   ``config.<CP_LAYOUT_FIELD> = ALLGATHER_CP_LAYOUT`` (``glm5_dsa_cp_layout = "contiguous"``), the
   field the core attention reads to know the token layout. A ``cp_comm_type`` already set to
-  something else is refused.
+  ``a2a`` or ``a2a+p2p`` is refused (None and ``p2p``, megatron-training's default, are replaced).
 * ``--freeze-indexer`` (slime, miles): applied by slime / miles themselves, by parameter name
   (``...self_attention.core_attention.indexer.*``, which are our names); nothing to do here.
 * ``--miles-dsa-topk-backend`` (miles): selects miles' own top-k kernel; our indexer has its own,
@@ -218,9 +218,30 @@ def apply_client_flags(config, args) -> None:
     if not getattr(args, "allgather_cp", False):
         return
     current = getattr(config, "cp_comm_type", None)
-    if current not in (None, "all_gather") and not (isinstance(current, list)
-                                                   and all(c == "all_gather" for c in current)):
+    values = current if isinstance(current, list) else [current]
+    # None and "p2p" (megatron-training's default for --cp-comm-type) are taken as unset
+    wrong = sorted({v for v in values if v not in (None, "p2p", "all_gather")})
+    if wrong:
         raise ValueError(f"glm5_dsa_plugin.spec: --allgather-cp needs cp_comm_type 'all_gather', but the config has "
                          f"cp_comm_type={current!r} (from --cp-comm-type); drop one of the two flags")
     config.cp_comm_type = "all_gather"
     setattr(config, CP_LAYOUT_FIELD, ALLGATHER_CP_LAYOUT)
+
+
+def check_local_path(config) -> None:
+    """The local path (``transformer_impl='local'``) on a machine without Apex's CUDA extensions:
+    megatron-core's ColumnParallelLinear / RowParallelLinear refuse ``gradient_accumulation_fusion``
+    (megatron-training's default) without ``fused_weight_gradient_mlp_cuda``; say so at spec build
+    time with the flag to pass. (``persist_layer_norm``, the other Apex-only default, is harmless
+    here: the spec's local norms ignore it.)"""
+    if getattr(config, "transformer_impl", "transformer_engine") != "local":
+        return
+    if not getattr(config, "gradient_accumulation_fusion", False):
+        return
+    from megatron.core.tensor_parallel import layers
+
+    if not getattr(layers, "_grad_accum_fusion_available", True):
+        raise ValueError(
+            "glm5_dsa_plugin.spec: --transformer-impl local with gradient_accumulation_fusion=True needs Apex's "
+            "fused_weight_gradient_mlp_cuda extension, which does not import here; pass "
+            "--no-gradient-accumulation-fusion (config.gradient_accumulation_fusion=False)")
