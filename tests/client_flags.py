@@ -105,3 +105,41 @@ def parse_megatron_args(argv: list[str], extra_args_provider=None):
     finally:
         sys.argv = saved
     return args
+
+
+def upstream_tiny_glm52_args(seq_length: int = 4096, mtp: bool = False, train_iters: int = 20) -> list[str]:
+    """Upstream Megatron-LM flags for a tiny GLM-5.2-shaped model (first layer dense, then MoE;
+    index sharing freq 4 / offset 3; the kernels' MLA head shape 256 + 64) through our spec. The
+    DSA geometry is given with upstream's own ``--dsa-indexer-*`` flags (upstream has no HF
+    checkpoint argument)."""
+    flags = [
+        "--spec", "glm5_dsa_plugin.spec", "get_glm5_dsa_spec",
+        "--num-layers", "4", "--moe-layer-freq", "[0]*1+[1]*3", "--num-experts", "4", "--moe-router-topk", "2",
+        "--moe-ffn-hidden-size", "256", "--moe-shared-expert-intermediate-size", "256",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0",
+        "--moe-token-dispatcher-type", "alltoall",
+        "--hidden-size", "512", "--ffn-hidden-size", "1024", "--num-attention-heads", "16",
+        "--disable-bias-linear", "--swiglu", "--untie-embeddings-and-output-weights",
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--qk-layernorm",
+        "--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "256", "--qk-head-dim", "64",
+        "--v-head-dim", "64", "--kv-channels", "64", "--qk-pos-emb-head-dim", "64", "--rotary-base", "8000000",
+        "--dsa-indexer-n-heads", "8", "--dsa-indexer-head-dim", "128", "--dsa-indexer-topk", "2048",
+        "--dsa-indexer-topk-freq", "4", "--dsa-indexer-skip-topk-offset", "3", "--dsa-indexer-loss-coeff", "0.001",
+        "--vocab-size", "4096", "--tokenizer-type", "NullTokenizer", "--make-vocab-size-divisible-by", "16",
+        "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
+        "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(train_iters),
+        "--lr", "3e-3", "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--clip-grad", "1.0",
+        "--eval-iters", "0", "--eval-interval", "100000", "--log-interval", "1", "--seed", "1234",
+    ]
+    if mtp:
+        flags += ["--mtp-num-layers", "1"]
+    if not te_available():
+        flags += ["--transformer-impl", "local"]
+    return flags
+
+
+def apex_grad_accum_fusion_available() -> bool:
+    from megatron.core.tensor_parallel import layers
+
+    return bool(getattr(layers, "_grad_accum_fusion_available", False))

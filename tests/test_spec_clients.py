@@ -246,3 +246,41 @@ def test_local_path_without_apex_names_the_flag_at_spec_build(megatron_single_pr
     _, cfg = _tiny(gradient_accumulation_fusion=True)
     with pytest.raises(ValueError, match="--no-gradient-accumulation-fusion"):
         spec.get_glm5_dsa_spec(None, cfg)
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_upstream_flags_through_gpt_config_from_args_and_builder(megatron_single_process, mtp):
+    """Upstream's arguments -> ``gpt_config_from_args`` (imports --spec) -> ``GPTModelBuilder``, one
+    forward / backward at a short sequence (megatron-training's ``pretrain`` itself needs CUDA:
+    tests/test_gpu_upstream_pretrain.py runs it)."""
+    from client_flags import apex_grad_accum_fusion_available, upstream_tiny_glm52_args
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    from glm5_dsa_plugin import megatron_lm
+
+    flags = upstream_tiny_glm52_args(seq_length=64, mtp=mtp)
+    if not torch.cuda.is_available():
+        # CPU only: no CUDA RNG tracker, no Triton RoPE, a dispatcher without CUDA streams
+        flags[flags.index("alltoall")] = "allgather"
+        flags += ["--use-cpu-initialization", "--no-rope-fusion"]
+    if not apex_grad_accum_fusion_available():
+        flags.append("--no-gradient-accumulation-fusion")
+    args = parse_megatron_args(flags)
+    model_cfg = gpt_config_from_args(args)
+    assert model_cfg.transformer_layer_spec is spec.get_glm5_dsa_spec
+    if mtp:
+        megatron_lm.install_mtp_hook()
+    try:
+        torch.manual_seed(0)
+        model = GPTModelBuilder(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    finally:
+        megatron_lm.uninstall_mtp_hook()
+    cores = [m for m in model.modules() if isinstance(m, GLM5DSAttention)]
+    assert len(cores) == 4 + int(mtp)
+    assert [c.computes_indices for c in cores[:4]] == [True, True, True, False]
+    tok = torch.randint(0, 4096, (1, 64))
+    loss = model(tok, torch.arange(64)[None], None, labels=torch.roll(tok, -1, 1))
+    loss.float().mean().backward()
+    assert torch.isfinite(loss).all()
