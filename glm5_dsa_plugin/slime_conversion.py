@@ -15,14 +15,15 @@ slime / miles                                      ours
 ``self_attention.k_norm.{weight,bias}``            ``self_attention.core_attention.indexer.k_norm.{weight,bias}``
 ``self_attention.weights_proj.weight``             ``self_attention.core_attention.indexer.linear_weights_proj.weight``
 ``mlp.experts.linear_fc{1,2}.weight{E}`` (module)  ``mlp.experts.local_experts.{E}.linear_fc{1,2}.weight``
-``mtp.layers.{j}.transformer_layer.*``             ``mtp.layers.{j}.mtp_model_layer.*``
+``mtp.layers.{j}.transformer_layer.*`` (module)    ``mtp.layers.{j}.mtp_model_layer.*``
 =================================================  ================================================
 
 Every other name is the same (embedding, output layer, norms, MLA projections, router, shared
 experts, MTP ``enorm`` / ``hnorm`` / ``eh_proj`` / ``final_layernorm``); ``module.`` wrapper
-prefixes are dropped. Names inside a torch_dist checkpoint (megatron-core's sharded keys:
-``...mlp.experts.experts.linear_fc1.weight`` for the experts, optimizer states keyed by the
-parameter's name) are renamed by the same rules.
+prefixes are dropped. Keys inside a torch_dist checkpoint (megatron-core's sharded keys:
+``...mlp.experts.experts.linear_fc1.weight`` for the experts on both sides, ``mtp.layers.{j}.
+transformer_layer.*`` for the MTP layer on both sides, optimizer states keyed by the parameter's
+name) are renamed by the same rules except those two (``keys="torch_dist"``).
 
 Layout: slime stores the indexer's query / key channels of each head as [no-RoPE | RoPE] (it
 rotates HF's [RoPE | no-RoPE] order when it converts an HF checkpoint; ``hf_to_megatron/deepseek.py``
@@ -34,6 +35,7 @@ weights are dropped (listed in the report).
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Mapping
 
@@ -71,8 +73,12 @@ def _rename_rest(rest: str) -> tuple[str, str | None]:
     return rest, None
 
 
-def convert_name(name: str, topk_freq: int = 1, skip_offset: int = 0) -> tuple[str | None, str | None]:
+def convert_name(name: str, topk_freq: int = 1, skip_offset: int = 0, keys: str = "module"
+                 ) -> tuple[str | None, str | None]:
     """slime name -> (our name or None when the tensor has no place in our model, indexer leaf).
+
+    ``keys``: ``"module"`` for ``state_dict()`` names, ``"torch_dist"`` for megatron-core's sharded
+    keys (whose MTP layer is ``transformer_layer`` in megatron-core 0.19.2 as well).
 
     ``topk_freq`` / ``skip_offset``: the index-sharing schedule (HF ``index_topk_freq`` /
     ``index_skip_topk_offset``); decoder layer i (0-based) computes indices iff
@@ -89,7 +95,8 @@ def convert_name(name: str, topk_freq: int = 1, skip_offset: int = 0) -> tuple[s
         if leaf is not None and not computes_indices(int(m.group("i")) + 1, topk_freq, skip_offset):
             return None, leaf
     else:
-        where = f"mtp.layers.{m.group('j')}.mtp_model_layer."
+        inner = "transformer_layer" if keys == "torch_dist" else "mtp_model_layer"
+        where = f"mtp.layers.{m.group('j')}.{inner}."
     return m.group("pre") + where + rest, leaf
 
 
@@ -112,13 +119,13 @@ def rotate_indexer(leaf: str, t: torch.Tensor, head_dim: int, rope_dim: int) -> 
 
 
 def convert_state(state: Mapping[str, torch.Tensor], head_dim: int, rope_dim: int, topk_freq: int = 1,
-                  skip_offset: int = 0) -> tuple[dict, dict]:
+                  skip_offset: int = 0, keys: str = "module") -> tuple[dict, dict]:
     """slime / miles state (module names or torch_dist keys) -> ours. Returns (state, report) with
     report = {"renamed": n, "rotated": [names], "dropped": [names]}. Non-tensor values (torch_dist
     bookkeeping) pass through renamed. Raises ``ValueError`` if two names map to one."""
     out, rotated, dropped, renamed = {}, [], [], 0
     for name, value in state.items():
-        new, leaf = convert_name(name, topk_freq, skip_offset)
+        new, leaf = convert_name(name, topk_freq, skip_offset, keys)
         if new is None:
             dropped.append(name)
             continue
@@ -164,7 +171,6 @@ def write_checkpoint(state: dict, path, like=None) -> None:
     (a path ending in ``.pt``). ``like``: the source folder, whose ``metadata.json`` / ``common.pt``
     (megatron-core's torch_dist bookkeeping) are copied alongside."""
     import shutil
-    import tempfile
     from pathlib import Path
 
     p = Path(path)
@@ -172,12 +178,25 @@ def write_checkpoint(state: dict, path, like=None) -> None:
         p.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, p)
         return
-    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+    import torch.distributed.checkpoint as dcp
 
     p.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.save(state, f"{tmp}/state.pt")
-        torch_save_to_dcp(f"{tmp}/state.pt", str(p))
+    # megatron-core stores a non-tensor value (its common state, TE extra state) as one torch.save'd
+    # byte stream of a list; reading gives that list back, so write it the same way (plain DCP
+    # would traverse a list holding an empty dict and store nothing)
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, (torch.Tensor, io.BytesIO)):
+            out[k] = v
+        else:
+            out[k] = io.BytesIO()
+            torch.save(v, out[k])
+            out[k].seek(0)
+    # megatron-core's save planner writes a BytesIO as its bytes (the default one would pickle it)
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+
+    dcp.save(out, storage_writer=dcp.FileSystemWriter(str(p)), planner=MCoreSavePlanner(flatten_state_dict=False),
+             no_dist=True)
     if like is not None and Path(like).is_dir():
         for extra in ("metadata.json", "common.pt"):
             if (Path(like) / extra).exists():

@@ -69,6 +69,7 @@ SHAPE_FIELDS = (
     ("qk_head_dim", "qk_nope_head_dim"),
     ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
     ("v_head_dim", "v_head_dim"),
+    ("dsa_indexer_rope_interleaved", "indexer_rope_interleave"),  # miles reads this HF field
 )
 CP_LAYOUT_FIELD = "glm5_dsa_cp_layout"
 ALLGATHER_CP_LAYOUT = "contiguous"

@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cfg = read_hf_config(args.hf_config) if args.hf_config else cards.load_card(args.card)
     geo = sc.geometry(cfg)
-    state, report = sc.convert_state(sc.read_checkpoint(args.src), **geo)
+    keys = "torch_dist" if Path(args.src).is_dir() else "module"
+    state, report = sc.convert_state(sc.read_checkpoint(args.src), **geo, keys=keys)
     sc.write_checkpoint(state, args.dst, like=args.src)
     print(json.dumps({"tensors": len(state), "renamed": report["renamed"], "rotated": len(report["rotated"]),
                       "dropped": report["dropped"], **geo}, indent=1))

@@ -120,6 +120,10 @@ def test_index_sharing_drops_the_unused_indexer_of_reusing_layers():
     assert kept == [0, 1, 2, 6]  # 0-based layers 1, 2, 3, 7
     assert sorted(report["dropped"]) == sorted(f"decoder.layers.{i}.self_attention.wk.weight" for i in (3, 4, 5, 7))
     assert "mtp.layers.0.mtp_model_layer.self_attention.core_attention.indexer.linear_wk.weight" in out
+    out, _ = slime_conversion.convert_state(names, head_dim=4, rope_dim=2, topk_freq=4, skip_offset=3,
+                                            keys="torch_dist")
+    # megatron-core 0.19.2's own sharded key for the MTP layer is transformer_layer too
+    assert "mtp.layers.0.transformer_layer.self_attention.core_attention.indexer.linear_wk.weight" in out
 
 
 def test_torch_dist_keys_and_optimizer_states_are_renamed():
@@ -135,3 +139,27 @@ def test_torch_dist_keys_and_optimizer_states_are_renamed():
     assert torch.equal(out["optimizer.state.exp_avg." + leaf], t[[3, 0, 1, 2]])
     assert out["optimizer.state.step." + leaf].item() == 3.0
     assert "decoder.layers.1.mlp.experts.experts.linear_fc1.weight" in out
+
+
+def test_torch_dist_round_trip_loads_in_megatron_core(tmp_path, megatron_single_process):
+    """A torch_dist checkpoint written by megatron-core goes through read / convert / write and
+    megatron-core's own dist_checkpointing loads the result into the model (names already ours:
+    nothing renamed)."""
+    from megatron.core import dist_checkpointing
+
+    from test_spec import build, tiny_config
+
+    card, cfg = tiny_config()
+    torch.cuda.synchronize = getattr(torch.cuda, "synchronize") if torch.cuda.is_available() else (lambda *a, **k: None)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    a = build(cfg, card, mtp=True, seed=1)
+    dist_checkpointing.save(a.sharded_state_dict(), str(src), sharded_strategy="torch_dist")
+    state, report = slime_conversion.convert_state(slime_conversion.read_checkpoint(src), head_dim=32, rope_dim=16,
+                                                   keys="torch_dist")
+    assert report["renamed"] == 0 and report["rotated"] == [] and report["dropped"] == []
+    slime_conversion.write_checkpoint(state, dst, like=src)
+    b = build(cfg, card, mtp=True, seed=2)
+    b.load_state_dict(dist_checkpointing.load(b.sharded_state_dict(), str(dst)), strict=False)
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)

@@ -284,3 +284,16 @@ def test_upstream_flags_through_gpt_config_from_args_and_builder(megatron_single
     loss = model(tok, torch.arange(64)[None], None, labels=torch.roll(tok, -1, 1))
     loss.float().mean().backward()
     assert torch.isfinite(loss).all()
+
+
+def test_hf_indexer_rope_interleave_conflict_is_refused(tmp_path, megatron_single_process):
+    """miles reads ``indexer_rope_interleave`` from the HF config; a checkpoint that sets it must not
+    silently run with the half-split RoPE the config asks for."""
+    write_hf_config(tmp_path, "tiny")
+    cfg_json = json.loads((tmp_path / "config.json").read_text())
+    cfg_json["indexer_rope_interleave"] = True
+    (tmp_path / "config.json").write_text(json.dumps(cfg_json))
+    _, cfg = _tiny()
+    assert cfg.dsa_indexer_rope_interleaved is False
+    with pytest.raises(ValueError, match=r"dsa_indexer_rope_interleaved conflicts.*says False.*says True"):
+        spec.get_glm5_dsa_spec(argparse.Namespace(hf_checkpoint=str(tmp_path)), cfg)
