@@ -297,3 +297,29 @@ def test_hf_indexer_rope_interleave_conflict_is_refused(tmp_path, megatron_singl
     assert cfg.dsa_indexer_rope_interleaved is False
     with pytest.raises(ValueError, match=r"dsa_indexer_rope_interleaved conflicts.*says False.*says True"):
         spec.get_glm5_dsa_spec(argparse.Namespace(hf_checkpoint=str(tmp_path)), cfg)
+
+
+def test_megatron_lm_wrapper_runs_the_script_as_main_with_the_hook(tmp_path):
+    """``python -m glm5_dsa_plugin.megatron_lm SCRIPT ARGS``: SCRIPT runs as __main__ with its own
+    argv and folder on sys.path, after the MTP hook is installed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "helper_mod.py").write_text("VALUE = 7\n")
+    (tmp_path / "pretrain_like.py").write_text(
+        "import sys, json, helper_mod\n"
+        "from glm5_dsa_plugin.megatron_lm import mtp_hook_installed\n"
+        "if __name__ == '__main__':\n"
+        "    print(json.dumps({'argv': sys.argv[1:], 'hook': mtp_hook_installed(), 'helper': helper_mod.VALUE}))\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "glm5_dsa_plugin.megatron_lm", str(tmp_path / "pretrain_like.py"),
+                          "--spec", "glm5_dsa_plugin.spec", "get_glm5_dsa_spec", "--mtp-num-layers", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "argv": ["--spec", "glm5_dsa_plugin.spec", "get_glm5_dsa_spec", "--mtp-num-layers", "1"], "hook": True,
+        "helper": 7}
+    missing = subprocess.run([sys.executable, "-m", "glm5_dsa_plugin.megatron_lm", str(tmp_path / "nope.py")],
+                             capture_output=True, text=True, timeout=300, cwd=root)
+    assert missing.returncode != 0 and "no such script" in missing.stderr
