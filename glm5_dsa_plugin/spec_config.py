@@ -152,21 +152,35 @@ def _geometry_of_hf(d: dict) -> dict:
     return out
 
 
+def _overrides(args) -> dict:
+    """This project's launchers' ``--card-override FIELD=VALUE`` (JSON values), applied to either source."""
+    out = {}
+    for item in getattr(args, "card_override", None) or []:
+        k, _, v = item.partition("=")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
 def _sources(config, args) -> list[tuple[str, dict, dict]]:
     """[(label, geometry, shape)] in precedence order."""
     cfg_geo = {f: _config_value(config, f) for f, _ in GEOMETRY_FIELDS}
     out = [("megatron-core config", {k: v for k, v in cfg_geo.items() if v is not None}, {})]
     hf = hf_checkpoint_path(args)
     if hf is not None:
-        d = read_hf_config(hf)
-        out.append((f"HF config of {hf}", _geometry_of_hf(d),
-                    {f: d[k] for f, k in SHAPE_FIELDS if d.get(k) is not None}))
+        d, label = read_hf_config(hf), f"HF config of {hf}"
     elif getattr(args, "card", None):
         from . import cards
 
-        d = cards.load_card(args.card)
-        out.append((f"model card {args.card!r}", _geometry_of_hf(d),
-                    {f: d[k] for f, k in SHAPE_FIELDS if d.get(k) is not None}))
+        d, label = cards.load_card(args.card), f"model card {args.card!r}"
+    else:
+        return out
+    over = _overrides(args)
+    if over:
+        d, label = {**d, **over}, label + " with --card-override"
+    out.append((label, _geometry_of_hf(d), {f: d[k] for f, k in SHAPE_FIELDS if d.get(k) is not None}))
     return out
 
 

@@ -323,3 +323,13 @@ def test_megatron_lm_wrapper_runs_the_script_as_main_with_the_hook(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "glm5_dsa_plugin.megatron_lm", str(tmp_path / "nope.py")],
                              capture_output=True, text=True, timeout=300, cwd=root)
     assert missing.returncode != 0 and "no such script" in missing.stderr
+
+
+def test_launcher_card_overrides_apply_to_the_card_source(megatron_single_process):
+    card, cfg = _tiny(dsa_indexer_topk=4)
+    ns = argparse.Namespace(card="tiny", card_override=["index_topk=4"])
+    spec.get_glm5_dsa_spec(ns, cfg)
+    assert cfg.dsa_indexer_topk == 4
+    _, cfg = _tiny(dsa_indexer_topk=4)
+    with pytest.raises(ValueError, match=r"dsa_indexer_topk conflicts.*says 4.*model card 'tiny' says 8"):
+        spec.get_glm5_dsa_spec(argparse.Namespace(card="tiny"), cfg)
