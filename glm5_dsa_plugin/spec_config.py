@@ -12,9 +12,10 @@ Callers and what they pass to ``--spec glm5_dsa_plugin.spec get_glm5_dsa_spec``:
 * Megatron-Bridge 0.6.2: ``(provider, vp_stage=...)``, the provider being a ``TransformerConfig``.
 
 DSA geometry (``dsa_indexer_n_heads``, ``dsa_indexer_head_dim``, ``dsa_indexer_topk``,
-``dsa_indexer_topk_freq``, ``dsa_indexer_skip_topk_offset``) is taken, field by field, from the
-first source that has it: the config (a field counts as set when it is not None, and for the two
-sharing fields when it differs from megatron-core's default 1 / 0), then the HF ``config.json`` of
+``dsa_indexer_topk_freq``, ``dsa_indexer_skip_topk_offset``, ``dsa_indexer_rope_interleaved`` from
+HF's ``indexer_rope_interleave``) is taken, field by field, from the first source that has it: the
+config (a field counts as set when it is not None, and for the last three when it differs from
+megatron-core's default 1 / 0 / False), then the HF ``config.json`` of
 ``args.hf_checkpoint`` (``args.hf`` for this project's launchers), then the model card
 ``args.card`` (only when no HF checkpoint is named). Every source that has a value must agree with
 the one used, and the MLA shape fields the caller set (hidden size, heads, LoRA ranks, head dims)
@@ -57,9 +58,10 @@ GEOMETRY_FIELDS = (
     ("dsa_indexer_topk", "index_topk"),
     ("dsa_indexer_topk_freq", "index_topk_freq"),
     ("dsa_indexer_skip_topk_offset", "index_skip_topk_offset"),
+    ("dsa_indexer_rope_interleaved", "indexer_rope_interleave"),  # miles reads this HF field too
 )
-# megatron-core 0.19.2 defaults of the sharing fields: equal to the default means "not set"
-_DEFAULTS = {"dsa_indexer_topk_freq": 1, "dsa_indexer_skip_topk_offset": 0}
+# megatron-core 0.19.2 defaults of these fields: equal to the default means "not set"
+_DEFAULTS = {"dsa_indexer_topk_freq": 1, "dsa_indexer_skip_topk_offset": 0, "dsa_indexer_rope_interleaved": False}
 # MLA shape fields the caller sets from its own flags; checked against the HF config
 SHAPE_FIELDS = (
     ("hidden_size", "hidden_size"),
@@ -69,7 +71,6 @@ SHAPE_FIELDS = (
     ("qk_head_dim", "qk_nope_head_dim"),
     ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
     ("v_head_dim", "v_head_dim"),
-    ("dsa_indexer_rope_interleaved", "indexer_rope_interleave"),  # miles reads this HF field
 )
 CP_LAYOUT_FIELD = "glm5_dsa_cp_layout"
 ALLGATHER_CP_LAYOUT = "contiguous"
