@@ -28,9 +28,8 @@ def write_hf_config(path, card_name="glm5.2", **over):
 
 def slime_args(hf_dir, **sizes):
     flags = without_te_only_flags(slime_glm52_model_args(**sizes))
-    if not torch.cuda.is_available():
-        # CPU only: weights initialised without a CUDA RNG tracker; MLA RoPE without the Triton fusion
-        flags += ["--use-cpu-initialization", "--no-rope-fusion"]
+    # the model is built on CPU: weights initialised without a CUDA RNG tracker, RoPE without Triton
+    flags += ["--use-cpu-initialization", "--no-rope-fusion"]
     if not te_available():
         flags.append("--no-gradient-accumulation-fusion")  # local path without Apex: the spec asks for it
     return parse_megatron_args(flags + ["--hf-checkpoint", str(hf_dir), "--seq-length", "128",
@@ -261,10 +260,9 @@ def test_upstream_flags_through_gpt_config_from_args_and_builder(megatron_single
     from glm5_dsa_plugin import megatron_lm
 
     flags = upstream_tiny_glm52_args(seq_length=64, mtp=mtp)
-    if not torch.cuda.is_available():
-        # CPU only: no CUDA RNG tracker, no Triton RoPE, a dispatcher without CUDA streams
-        flags[flags.index("alltoall")] = "allgather"
-        flags += ["--use-cpu-initialization", "--no-rope-fusion"]
+    # built on CPU: no CUDA RNG tracker, no Triton RoPE, a dispatcher without CUDA streams
+    flags[flags.index("alltoall")] = "allgather"
+    flags += ["--use-cpu-initialization", "--no-rope-fusion"]
     if not apex_grad_accum_fusion_available():
         flags.append("--no-gradient-accumulation-fusion")
     args = parse_megatron_args(flags)
