@@ -1,13 +1,20 @@
 """Layer-spec provider: ``--spec glm5_dsa_plugin.spec get_glm5_dsa_spec``.
 
-Two forms, one implementation:
+One function for every caller, one object form:
 
-* slime / miles call ``get_glm5_dsa_spec(args, config, vp_stage)`` and get the decoder block
-  spec of that pipeline stage (``first_k_dense_replace`` dense layers, then MoE layers);
-  ``get_glm5_dsa_mtp_spec(args, config, vp_stage)`` gives the MTP block (same attention).
-* upstream Megatron-LM imports ``--spec glm5_dsa_plugin.spec glm5_dsa_layer_spec`` as an object
-  without calling it: that is a ``ModuleSpec`` of :class:`GLM5DSATransformerLayer`, which builds
-  the right submodules for its own (global) layer number from the config.
+* ``get_glm5_dsa_spec`` returns the decoder block spec of a pipeline stage
+  (``first_k_dense_replace`` dense layers, then MoE layers) whichever way it is called: slime /
+  miles ``(args, config, vp_stage)``, upstream Megatron-LM ``(model_config, vp_stage=...)``,
+  Megatron-Bridge ``(provider, vp_stage=...)`` (:mod:`glm5_dsa_plugin.spec_config` says what each
+  passes, where the DSA geometry comes from and what ``--allgather-cp`` means);
+  ``get_glm5_dsa_mtp_spec`` (same conventions) gives the MTP block with the same attention.
+* ``glm5_dsa_layer_spec`` is a ``ModuleSpec`` of :class:`GLM5DSATransformerLayer`, which builds the
+  right submodules for its own (global) layer number from the config.
+
+Upstream Megatron-LM builds its MTP block from its own layer specs (megatron-core 0.19.2 has no
+hook for a custom one): with ``--mtp-num-layers`` launch through
+``python -m glm5_dsa_plugin.megatron_lm pretrain_gpt.py ...`` (:mod:`glm5_dsa_plugin.megatron_lm`);
+without it the spec refuses to build, saying so.
 
 ``config.transformer_impl == "transformer_engine"`` selects TransformerEngine modules (imported
 lazily, with a clear error when absent); ``"local"`` selects ColumnParallelLinear /
@@ -34,6 +41,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from . import context_parallel as cpx
 from . import indexer as ix
+from . import spec_config
 from .attention import GLM5DSAIndexer, GLM5DSAIndexerSubmodules, GLM5DSAttention, GLM5DSAttentionSubmodules
 
 __all__ = ["get_glm5_dsa_spec", "get_glm5_dsa_mtp_spec", "glm5_dsa_layer_spec", "GLM5DSATransformerLayer",
@@ -47,6 +55,32 @@ class _LocalProvider(LocalSpecProvider):
         from megatron.core.post_training.modelopt.layers import Linear
 
         return Linear
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        impl = super().layer_norm(rms_norm=rms_norm, for_qk=for_qk, has_residual=has_residual)
+        return TorchNormIgnoringPersist if impl is WrappedTorchNorm else impl
+
+
+class TorchNormIgnoringPersist:
+    """megatron-core's ``WrappedTorchNorm`` (torch ``RMSNorm`` / ``LayerNorm``) without its refusal of
+    ``config.persist_layer_norm``.
+
+    ``persist_layer_norm`` (upstream's default, off with ``--no-persist-layer-norm``) only selects
+    Apex's persistent LayerNorm kernel; the local spec's RMSNorm is torch's whichever way it is set,
+    so the flag changes nothing here and is dropped for this module (the caller's config is left
+    as it is). Every other check of ``WrappedTorchNorm`` stays."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        import copy
+
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        if getattr(config, "persist_layer_norm", False):
+            config = copy.copy(config)
+            config.persist_layer_norm = False
+        return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
 
 
 def uses_transformer_engine(config) -> bool:
@@ -190,13 +224,35 @@ def _cp_layout(args, config) -> str:
     return layout
 
 
-def get_glm5_dsa_spec(args, config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
-                      ) -> TransformerBlockSubmodules:
-    """Decoder block spec of this pipeline stage (slime / miles ``--spec`` contract).
+def _prepare(args, config, vp_stage, pp_rank, mtp: bool = False):
+    """-> (args, TransformerConfig, vp_stage, pp_rank) with the DSA geometry and client flags set."""
+    upstream_builder = config is None and args is not None and hasattr(args, "transformer")
+    args, cfg, vp_stage, pp_rank = spec_config.split_call(args, config, vp_stage, pp_rank)
+    spec_config.resolve_geometry(cfg, args)
+    spec_config.apply_client_flags(cfg, args)
+    spec_config.check_local_path(cfg)
+    _check_config(cfg)
+    if upstream_builder and not mtp and getattr(cfg, "mtp_num_layers", None):
+        from .megatron_lm import mtp_hook_installed
 
-    Everything comes from ``config`` except the allgather-CP layout: slime's ``--allgather-cp``
-    (``args.allgather_cp``) selects its contiguous layout, otherwise megatron-core's zigzag one."""
-    _check_config(config)
+        if not mtp_hook_installed():
+            raise RuntimeError(
+                "glm5_dsa_plugin.spec: --mtp-num-layers with upstream Megatron-LM: megatron-core 0.19.2 builds the "
+                "MTP block from its own layer specs, not ours. Launch through the wrapper, which makes the MTP block "
+                "use our spec: python -m glm5_dsa_plugin.megatron_lm path/to/pretrain_gpt.py <the same arguments>")
+    return args, cfg, vp_stage, pp_rank
+
+
+def get_glm5_dsa_spec(args=None, config=None, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+                      ) -> TransformerBlockSubmodules:
+    """Decoder block spec of this pipeline stage, for every ``--spec`` calling convention.
+
+    ``(args, config, vp_stage)`` (slime / miles), ``(config, vp_stage=...)`` (upstream Megatron-LM,
+    whose config is a ``GPTModelConfig``; Megatron-Bridge). ``args`` may be None; when given, its
+    ``hf_checkpoint`` / ``card`` supply DSA geometry the config lacks and its ``allgather_cp``
+    selects the allgather CP layout (:mod:`glm5_dsa_plugin.spec_config`). Sets the resolved DSA
+    fields on the config."""
+    args, config, vp_stage, pp_rank = _prepare(args, config, vp_stage, pp_rank)
     backend = _backend(config)
     cp_layout = _cp_layout(args, config)
     pattern = _moe_pattern(config)
@@ -204,25 +260,29 @@ def get_glm5_dsa_spec(args, config, vp_stage: Optional[int] = None, pp_rank: Opt
     check_index_sharing_split(config, layer_ids)
     specs = {m: ModuleSpec(module=TransformerLayer, submodules=layer_submodules(config, bool(m), backend, cp_layout))
              for m in set(pattern[i] for i in layer_ids)}
-    return TransformerBlockSubmodules(
+    block = TransformerBlockSubmodules(
         layer_specs=[specs[pattern[i]] for i in layer_ids],
         layer_norm=backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False),
     )
+    block.glm5_dsa = True  # read by glm5_dsa_plugin.megatron_lm's MTP hook (a stage may hold no layer)
+    return block
 
 
-def get_glm5_dsa_mtp_spec(args, config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
-    """MTP block spec (``mtp_num_layers``); its transformer layer is the last decoder layer's spec
-    (MoE + our DSA attention). None when this stage builds no MTP layer."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+def get_glm5_dsa_mtp_spec(args=None, config=None, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """MTP block spec (``mtp_num_layers``), same calling conventions as :func:`get_glm5_dsa_spec`;
+    its transformer layer is the last decoder layer's spec (MoE + our DSA attention), its norms and
+    projections come from the same backend. None when this stage builds no MTP layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
 
+    args, config, vp_stage, pp_rank = _prepare(args, config, vp_stage, pp_rank, mtp=True)
     if not getattr(config, "mtp_num_layers", None):
         return None
-    _check_config(config)
+    backend = _backend(config)
     last_is_moe = bool(_moe_pattern(config)[-1])
     layer = ModuleSpec(module=TransformerLayer,
-                       submodules=layer_submodules(config, last_is_moe, cp_layout=_cp_layout(args, config)))
-    return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=uses_transformer_engine(config),
-                                  vp_stage=vp_stage, pp_rank=pp_rank)
+                       submodules=layer_submodules(config, last_is_moe, backend, cp_layout=_cp_layout(args, config)))
+    return get_gpt_mtp_block_spec_for_backend(config=config, spec=layer, backend=backend, vp_stage=vp_stage,
+                                              pp_rank=pp_rank)
 
 
 class GLM5DSATransformerLayer(TransformerLayer):
@@ -232,6 +292,7 @@ class GLM5DSATransformerLayer(TransformerLayer):
     def __init__(self, config, submodules=None, layer_number: int = 1, hidden_dropout=None, pg_collection=None,
                  vp_stage=None, is_mtp_layer: bool = False, add_layer_offset: bool = True, pp_layer_offset=None,
                  name=None):
+        spec_config.resolve_geometry(config, None)
         _check_config(config)
         if is_mtp_layer or not add_layer_offset:
             global_number = layer_number
