@@ -126,6 +126,7 @@ def upstream_tiny_glm52_args(seq_length: int = 4096, mtp: bool = False, train_it
         "--v-head-dim", "64", "--kv-channels", "64", "--qk-pos-emb-head-dim", "64", "--rotary-base", "8000000",
         "--dsa-indexer-n-heads", "8", "--dsa-indexer-head-dim", "128", "--dsa-indexer-topk", "2048",
         "--dsa-indexer-topk-freq", "4", "--dsa-indexer-skip-topk-offset", "3", "--dsa-indexer-loss-coeff", "0.001",
+        "--dsa-indexer-use-sparse-loss",
         "--vocab-size", "4096", "--tokenizer-type", "NullTokenizer", "--make-vocab-size-divisible-by", "16",
         "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
         "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(train_iters),

@@ -291,7 +291,7 @@ def test_hf_indexer_rope_interleave_is_read_and_a_conflict_refused(tmp_path, meg
     cfg_json = json.loads((tmp_path / "config.json").read_text())
     cfg_json["indexer_rope_interleave"] = True
     (tmp_path / "config.json").write_text(json.dumps(cfg_json))
-    _, cfg = _tiny()
+    _, cfg = _tiny(dsa_indexer_rope_interleaved=False)  # megatron-core's default (the cards say True)
     assert cfg.dsa_indexer_rope_interleaved is False
     spec.get_glm5_dsa_spec(argparse.Namespace(hf_checkpoint=str(tmp_path)), cfg)
     assert cfg.dsa_indexer_rope_interleaved is True
