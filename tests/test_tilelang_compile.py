@@ -15,6 +15,7 @@ SM90A = json.dumps({"kind": "cuda", "arch": "sm_90a"})  # setmaxnreg and wgmma n
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads,kv_group,d_v", [(64, 1, 512), (16, 1, 512), (64, 2, 256)])
 def test_kernels_build_for_sm90(heads, kv_group, d_v):
     from glm5_dsa_plugin.ops.tilelang_kernels import PASS_CONFIGS, sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
@@ -42,6 +43,7 @@ def _requested_dyn_smem(kernel) -> int:
     return max(smem)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hg,buckets_64", [(16, 1), (32, 1), (64, 1), (128, 1), (64, 8), (128, 4)])
 def test_every_forward_launch_fits_in_shared_memory(hg, buckets_64):
     """Each kernel of the backend's launch plan (row buckets included) asks for <= 227 KiB:
@@ -64,6 +66,7 @@ def test_every_forward_launch_fits_in_shared_memory(hg, buckets_64):
         assert "cp_async" in k.get_kernel_source()  # the bucket's row test kept async gathers
 
 
+@pytest.mark.slow
 def test_shared_memory_probe_sees_the_oversized_kernel():
     """The probe above can fail: the 64-row tile under a bucket's row test is over the limit."""
     from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
@@ -101,6 +104,7 @@ def _drain_writes(src: str, atomic: bool) -> list[str]:
     return writes
 
 
+@pytest.mark.slow
 def test_deterministic_warp_specialised_backward_stores_each_slot():
     """The per-slot warp-specialised backward (deterministic mode, 64-row tiles): the drain
     stores each staged chunk row in 16-byte vectors into the per-slot dKV (row-major [B, T, G*nh,

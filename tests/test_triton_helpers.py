@@ -67,6 +67,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_nonfinite_flag_and_segment_sum_in_interpreter():
     run_interpreted(SCRIPT)
 
@@ -143,6 +144,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_prepare_indices_matches_the_index_rule_in_interpreter():
     """Every slot outside [0, T_kv) (padding, negatives, T_kv, 2^31-1) becomes the sentinel T_kv,
     valid slots are kept, topk is padded, extent = 1 + last valid position, the flag is set
@@ -189,6 +191,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_finish_backward_converts_drops_sentinel_and_flags_in_interpreter():
     """dKV fp32 -> bf16 without each batch's sentinel rows (to one bf16 ulp: the interpreter truncates), and
     the flag set exactly when the returned dkv or dq holds NaN/inf."""
@@ -273,6 +276,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_forward_check_and_kv_flag_in_interpreter():
     """``check_forward`` marks exactly the doubtful rows (|lse| beyond the bound but not
     EMPTY_ROW_LSE, or EMPTY_ROW_LSE on a query row whose extent says it has a valid slot; never
@@ -500,6 +504,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_deterministic_backward_sums_each_valid_slot_once_per_chunking():
     """The deterministic chunk loop on CPU (Triton interpreter for the segment sum, a stand-in for
     the TileLang kernel): B = 1 and 2, G = 2, two head tiles per group, and row groups (R = 4);
