@@ -67,6 +67,7 @@ def test_provider_fields_equal_the_card(megatron_single_process, hf_dir):
         assert getattr(prov, f) == getattr(expect, f), f
 
 
+@pytest.mark.slow
 def test_bridge_path_equals_spec_path(megatron_single_process, hf_dir):
     from glm5_dsa_plugin.attention import GLM5DSAttention
     from test_spec import build
