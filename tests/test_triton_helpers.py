@@ -3,7 +3,9 @@ finiteness flag, the deterministic segment sum, the backward's dKV conversion + 
 TileLang backend's index preparation (rewrite, extent, index-rule flag, sentinel kv) against a
 torch oracle built from the contract's index rule."""
 
+import pytest
 import torch
+
 from triton_interpreter import run_interpreted
 
 
