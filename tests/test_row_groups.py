@@ -1,7 +1,9 @@
 """``row_groups.group_keys`` (the key lists of query-row groups) against a row-by-row Python build;
 its Triton pass runs in the interpreter on CPU (in a subprocess, as the other Triton tests)."""
 
+import pytest
 import torch
+
 from triton_interpreter import run_interpreted
 
 from glm5_dsa_plugin.ops.row_groups import group_keys_reference
@@ -57,6 +59,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_group_keys_triton_passes_in_interpreter():
     """The bit-table passes (CUDA in production) in the interpreter, against the row-by-row build:
     the same lists entry for entry (distinct keys ascending, then the repeats sorted by (key, row),
