@@ -8,17 +8,37 @@ attention rotates interleaved pairs (``rope_interleave: true``; megatron-core's 
 and so does the lightning indexer (``indexer_rope_interleave: true`` ->
 ``dsa_indexer_rope_interleaved=True``). A config without ``indexer_rope_interleave`` is read as
 true: transformers >= 5.13 always rotates the GLM-5 indexer interleaved.
+
+Where the cards are read from: an installed wheel ships them as package data
+(``glm5_dsa_plugin/layer_specs/``, copied there by the build, see setup.py); a source checkout
+or an editable install reads the repository's top-level ``layer_specs/``.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.resources
 import json
 from pathlib import Path
 
 import torch
 
-CARDS_DIR = Path(__file__).resolve().parents[1] / "layer_specs"
+
+def _cards_dir():
+    """The packaged cards if this is an installed wheel, else the checkout's ``layer_specs/``."""
+    packaged = importlib.resources.files("glm5_dsa_plugin") / "layer_specs"
+    if packaged.is_dir():
+        return packaged
+    checkout = Path(__file__).resolve().parents[1] / "layer_specs"
+    if checkout.is_dir():
+        return checkout
+    raise FileNotFoundError(
+        f"glm5_dsa_plugin: no model cards, neither packaged ({packaged}) nor in a checkout ({checkout}); "
+        "reinstall the package from a wheel or a full source tree"
+    )
+
+
+CARDS_DIR = _cards_dir()
 CARD_ALIASES = {"glm5": "glm5_744b_a40b", "glm5-744b-a40b": "glm5_744b_a40b", "glm5.1": "glm5_1",
                 "glm5.2": "glm5_2", "tiny": "tiny"}
 ARCH_FIELDS = (
@@ -32,7 +52,7 @@ ARCH_FIELDS = (
 
 
 def available_cards() -> list[str]:
-    return sorted(p.stem for p in CARDS_DIR.glob("*.json"))
+    return sorted(p.name[: -len(".json")] for p in CARDS_DIR.iterdir() if p.name.endswith(".json"))
 
 
 def load_card(name_or_path: str) -> dict:
@@ -40,7 +60,7 @@ def load_card(name_or_path: str) -> dict:
     p = Path(name_or_path)
     if name_or_path in CARD_ALIASES or not p.suffix:
         p = CARDS_DIR / f"{CARD_ALIASES.get(name_or_path, name_or_path)}.json"
-    if not p.exists():
+    if not p.is_file():
         raise FileNotFoundError(f"no model card {name_or_path!r}; available: {available_cards()}")
     return json.loads(p.read_text())
 

@@ -393,7 +393,7 @@ def main():
                         r["rel_l2_vs_reference"] = errs
         # what the fixes cost: same kernels, fixes compiled out (fully valid W1 only). The
         # warp-specialised forward needs the sentinel rewrite (safe only), so both sides run the
-        # single-warpgroup forward; "default" is the backend as shipped (v10 had it under safe=True)
+        # single-warpgroup forward; "default" is the backend as shipped
         if wl == "W1" and not args.kernels_only:
             extra.update(fix_cost(gen, idx, T, T_kv))
     indexer_rows = []
@@ -430,7 +430,7 @@ def main():
             configure(forward_flags=mode)
             record_gpu_idle(extra, fwd_only, "W2_H64_fwd", f"_forward_flags={mode}")
         configure(forward_flags="eager")
-        # W2 H16 (row groups; goal 4.5 ms fwd+bwd): the default call's GPU time by kernel and its idle
+        # W2 H16 (row groups): the default call's GPU time by kernel and its idle
         q16 = torch.randn(4096, 16, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad16 = torch.randn(4096, 16, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
 

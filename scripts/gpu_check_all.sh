@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# Everything the H200 proves, in two device calls (~10 min on a fresh machine; files land in $OUT):
+# Everything the H200 checks (~10 min on a fresh machine; files land in $OUT):
 #   pytest_gpu.log (all GPU tests, doctor's self-check included), bench_sparse_mla.json/.png,
 #   host_profile.txt; with LAUNCHERS=1 also launcher_{lora,ppo,mtp}.jsonl + launcher_summary.json;
-#   with VARIANTS=1 checks.log (forward variants: rows vs reference + timing); with SWEEP=1
-#   gpu_correctness_sweep.json (every head layout and context against the reference). PYTEST=0 / BENCH=0
-#   skip those parts (a device call is limited to 10 min: pytest ~5, bench ~4.5, variants ~2.5, so
-#   pytest and the bench go in separate calls: PYTEST=1 BENCH=0, then PYTEST=0).
-# Usage on the device machine (after unpacking the bundle, see README):  bash scripts/gpu_check_all.sh
+#   with SWEEP=1 gpu_correctness_sweep.json (every head layout and context against the reference).
+#   PYTEST=0 / BENCH=0 skip those parts (pytest takes ~5 min, the bench ~4.5).
+# Usage on an H200 with the package installed:  OUT=results bash scripts/gpu_check_all.sh
 # LAUNCHERS=1 needs Megatron-Bridge importable (the LoRA job uses megatron.bridge.peft): pip install
-#   --no-deps megatron-bridge==0.6.2 omegaconf, or wheels of both carried in the bundle.
+#   --no-deps megatron-bridge==0.6.2 omegaconf.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-.}
@@ -24,6 +22,4 @@ if [ "${SWEEP:-0}" = 1 ]; then
 fi
 if [ "${LAUNCHERS:-0}" = 1 ]; then
   timeout 120 python3 scripts/gpu_launcher_proof.py --out "$OUT" 2>&1 | grep -E "^(lora|ppo|mtp) "
-elif [ "${VARIANTS:-0}" = 1 ]; then
-  timeout 150 python3 scripts/debug_kernel_rows.py 2>&1 | grep -v INFO | tee "$OUT/checks.log" | tail -8
 fi

@@ -3,9 +3,9 @@
 tests: heads per kv group 8-128 (row groups of R = 8, 4, 2 rows and one-row tiles), one and two
 kv groups, topk 128 / 2048, random keys over a long and a short context, causal rows, and random
 -1 padding with empty rows. Every case runs fwd+bwd with the shipped default (``row_groups``
-"auto") and, below 64 heads per group, with row groups off. Session 16's R = 2 race gave wrong
-but finite results only on long contexts, which no unit test reached: this is the net for that
-kind of fault. Needs an sm_90 GPU.
+"auto") and, below 64 heads per group, with row groups off. A fault that gives wrong but finite results only on long contexts (such as
+the R = 2 key-list race fixed in 0.1.0, see CHANGELOG.md) reaches no unit test: this is the net
+for that kind of fault. Needs an sm_90 GPU.
 
 Writes ``$OUT/gpu_correctness_sweep.json``; prints one line per case and run; exits 1 when any run
 misses the bound (rel L2 3e-3 for out, dq, dkv; 1e-3 absolute for lse; exact zeros for empty

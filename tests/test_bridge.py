@@ -79,6 +79,7 @@ def test_provider_passes_the_indexer_rope_convention_through(megatron_single_pro
     assert prov.dsa_indexer_rope_interleaved is interleave
 
 
+@pytest.mark.slow
 def test_bridge_path_equals_spec_path(megatron_single_process, hf_dir):
     from glm5_dsa_plugin.attention import GLM5DSAttention
     from test_spec import build

@@ -44,6 +44,7 @@ def with_mtp(card, state, seed=1):
     return out
 
 
+@pytest.mark.slow
 def test_roundtrip_is_bitwise_and_reads_shards_lazily(tmp_path):
     card, model = tiny_hf()
     model.save_pretrained(tmp_path / "hf")

@@ -130,7 +130,7 @@ def test_off_policy_passes_nan_through(faulty):
 
 def test_bad_inputs_are_not_hidden(faulty):
     """A nonfinite input cannot be repaired: the call raises (loud, not silent) and does not warn
-    first that it repaired the rows (until session 17 it did)."""
+    first that it repaired the rows."""
     q, kv, idx, _ = _inputs()
     with torch.no_grad():
         q[0, 2, 1, 0] = NAN
@@ -153,6 +153,7 @@ def test_dump_every_n(faulty, tmp_path):
     assert len(guard_stats()["dumps"]) == 3  # events 1, 3, 5
 
 
+@pytest.mark.slow
 def test_env_policy_is_validated():
     code = "import glm5_dsa_plugin.ops"
     r = subprocess.run([sys.executable, "-c", code], env={"GLM5_DSA_NONFINITE": "maybe", "PATH": ""},
@@ -168,6 +169,7 @@ def test_env_policy_is_validated():
         assert r.returncode != 0 and f"{name}=" in r.stderr and says in r.stderr, r.stderr[-300:]
 
 
+@pytest.mark.slow
 def test_replay_script_exit_codes(faulty, tmp_path):
     faulty.dq_rows = [(0, 5)]
     q, kv, idx, g = _inputs(2)
@@ -192,6 +194,7 @@ def test_replay_script_exit_codes(faulty, tmp_path):
     assert "AGREE" in r.stdout
 
 
+@pytest.mark.slow
 def test_doctor_reports_versions_and_backend_choice():
     r = subprocess.run([sys.executable, "-m", "glm5_dsa_plugin", "doctor"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -516,6 +519,7 @@ def test_index_error_of_a_recorded_forward_is_raised_in_its_backward(monkeypatch
         configure(policy="fallback")
 
 
+@pytest.mark.slow
 def test_deferred_forward_flags_without_grad_settle_later_and_at_exit(monkeypatch, capsys):
     """``forward_flags="deferred"``: a call without grad does not read its index flag either; a
     later call raises it once the flags have arrived, and what is still queued at exit is settled

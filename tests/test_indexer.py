@@ -86,6 +86,7 @@ def _ours_from_hf(idxr, x, qr, positions, theta, interleaved=True):
     return q, k, w
 
 
+@pytest.mark.slow
 def test_matches_hf_indexer_scores_and_selection(monkeypatch):
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaRotaryEmbedding
 

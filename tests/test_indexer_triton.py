@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
 import torch
 from glm5_dsa_plugin import indexer as ix
@@ -33,6 +35,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_triton_scores_match_torch_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)

@@ -19,6 +19,7 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", ["lora", "ppo", "mtp"])
 def test_job_runs_and_resumes_exactly(job, tmp_path, megatron_single_process):
     extra = ["--rollouts", "tests/fixtures/rollouts_tiny.pt"] if job == "ppo" else []
@@ -32,6 +33,7 @@ def test_job_runs_and_resumes_exactly(job, tmp_path, megatron_single_process):
     assert b[0] == pytest.approx(full[2], rel=1e-6, abs=1e-7)  # resume gives the same next-step loss
 
 
+@pytest.mark.slow
 def test_lora_adapters_save_load_merge(tmp_path, megatron_single_process):
     assert jobs.lora_main(COMMON + ["--steps", "2", "--save", str(tmp_path / "ck")]) == 0
     adapters = torch.load(tmp_path / "ck" / "adapters.pt")
@@ -61,6 +63,7 @@ def test_lora_adapters_save_load_merge(tmp_path, megatron_single_process):
         assert not torch.allclose(base(tok, pos, None), merged)
 
 
+@pytest.mark.slow
 def test_three_launchers_share_attention_and_kernel_entry(monkeypatch, megatron_single_process):
     import glm5_dsa_plugin.attention as att
 
@@ -109,12 +112,14 @@ def test_ppo_fixture_has_all_padding_rows_with_exact_zero_gradients(megatron_sin
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+@pytest.mark.slow
 def test_help_shows_the_spec_line():
     for script in ("train_lora.py", "train_ppo.py", "train_mtp.py"):
         out = subprocess.run([sys.executable, f"scripts/{script}", "--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "--spec glm5_dsa_plugin.spec get_glm5_dsa_spec" in out.stdout
 
 
+@pytest.mark.slow
 def test_dry_run_glm52_reported_layout():
     out = subprocess.run([sys.executable, "scripts/train_lora.py", "--card", "glm5.2", "--dry-run", "--tp", "4", "--pp",
                           "8", "--ep", "16", "--cp", "4"], capture_output=True, text=True, timeout=600)
@@ -129,6 +134,7 @@ def test_dry_run_glm52_reported_layout():
     assert "nothing allocated" in out.stdout
 
 
+@pytest.mark.slow
 def test_dry_run_attention_memory_counts_what_the_backend_keeps():
     """The dry run's attention memory, index side, against the tensors themselves: the row-group
     key lists as ``group_keys`` lays them out (row groups below 64 heads per rank), the top-k once

@@ -28,6 +28,7 @@ def problems(draw):
     return B, T, T_kv, G, H, topk, d_v, d_tail, pad_frac, seed, empty
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_reference_matches_dense_fp64(p):
@@ -54,6 +55,7 @@ def test_reference_matches_dense_fp64(p):
     assert torch.all(dq[empty_heads] == 0)
 
 
+@pytest.mark.slow
 def test_gradcheck_fp64_packed():
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(4, 4, 6, generator=gen, dtype=torch.float64, requires_grad=True)

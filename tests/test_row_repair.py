@@ -3,6 +3,8 @@ poisoned dq rows and dkv rows come back equal to the PyTorch reference, every ot
 for bit as it was, the counters and the still-nonfinite flag are right, and with the nonfinite
 flag clear the kernels change nothing (not even poisoned rows)."""
 
+import pytest
+
 from triton_interpreter import run_interpreted
 
 SCRIPT = r"""
@@ -67,6 +69,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_device_backward_repair_matches_reference_in_interpreter():
     run_interpreted(SCRIPT)
 
@@ -140,6 +143,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_device_forward_repair_matches_reference_in_interpreter():
     """The forward's device-side repair: poisoned rows (every head) come back equal to the
     reference, other rows bit for bit, the empty row as the contract says; counters and the

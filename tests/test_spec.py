@@ -50,6 +50,7 @@ def forbid_megatron_dsa_kernels(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_tiny_model_bshd_forward_backward(megatron_single_process, forbid_megatron_dsa_kernels):
     card, cfg = tiny_config()
     model = build(cfg, card)
@@ -76,6 +77,7 @@ def test_tiny_model_bshd_forward_backward(megatron_single_process, forbid_megatr
     assert len(forbid_megatron_dsa_kernels) == 5
 
 
+@pytest.mark.slow
 def test_tiny_model_thd_three_sequences(megatron_single_process, forbid_megatron_dsa_kernels):
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -152,6 +154,7 @@ def test_config_without_dsa_fields_is_refused():
         spec.get_glm5_dsa_spec(None, cfg)
 
 
+@pytest.mark.slow
 def test_tiny_model_with_mtp_thd_forward_backward(megatron_single_process, forbid_megatron_dsa_kernels):
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -188,6 +191,7 @@ def test_deterministic_mode_reaches_sparse_mla(megatron_single_process, monkeypa
         assert torch.isfinite(run()).all()
 
 
+@pytest.mark.slow
 def test_attention_validates_unless_the_guard_is_off(megatron_single_process, monkeypatch):
     """The spec's attention validates its indices while the guard is on (free: read with the
     guard's flag) and reads no device flag with GLM5_DSA_NONFINITE=off (no host sync per layer,

@@ -64,6 +64,7 @@ def _worker(rank, store, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_core_attention_tp2_matches_tp1(tmp_path):
     store = tempfile.NamedTemporaryFile(prefix="glm5_dsa_tp2_", delete=False).name
     mp.spawn(_worker, args=(store, str(tmp_path)), nprocs=2, join=True)

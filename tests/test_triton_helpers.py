@@ -3,7 +3,9 @@ finiteness flag, the deterministic segment sum, the backward's dKV conversion + 
 TileLang backend's index preparation (rewrite, extent, index-rule flag, sentinel kv) against a
 torch oracle built from the contract's index rule."""
 
+import pytest
 import torch
+
 from triton_interpreter import run_interpreted
 
 
@@ -67,6 +69,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_nonfinite_flag_and_segment_sum_in_interpreter():
     run_interpreted(SCRIPT)
 
@@ -143,6 +146,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_prepare_indices_matches_the_index_rule_in_interpreter():
     """Every slot outside [0, T_kv) (padding, negatives, T_kv, 2^31-1) becomes the sentinel T_kv,
     valid slots are kept, topk is padded, extent = 1 + last valid position, the flag is set
@@ -189,6 +193,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_finish_backward_converts_drops_sentinel_and_flags_in_interpreter():
     """dKV fp32 -> bf16 without each batch's sentinel rows (to one bf16 ulp: the interpreter truncates), and
     the flag set exactly when the returned dkv or dq holds NaN/inf."""
@@ -273,6 +278,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_forward_check_and_kv_flag_in_interpreter():
     """``check_forward`` marks exactly the doubtful rows (|lse| beyond the bound but not
     EMPTY_ROW_LSE, or EMPTY_ROW_LSE on a query row whose extent says it has a valid slot; never
@@ -353,7 +359,7 @@ def test_row_group_geometry_and_choice():
     arrivals = iter([None, [100, 1000], None])  # counts of W2-like sharing arrive on the 2nd call
     choice.arrived = lambda: next(arrivals, None)
     assert [choice.choose() for _ in range(3)] == [(True, True)] * 3
-    arrivals = iter([[700, 1000]])  # W1-like: groups (exp33: an entry costs 0.62-1.00 slots)
+    arrivals = iter([[700, 1000]])  # W1-like: groups (an entry costs 0.62-1.00 slots)
     assert choice.choose() == (True, True)
     arrivals = iter([[1000, 1000]])  # no key shared: one entry per slot
     assert choice.choose() == (False, False)  # the first of REPROBE_CALLS one-row calls
@@ -500,6 +506,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_deterministic_backward_sums_each_valid_slot_once_per_chunking():
     """The deterministic chunk loop on CPU (Triton interpreter for the segment sum, a stand-in for
     the TileLang kernel): B = 1 and 2, G = 2, two head tiles per group, and row groups (R = 4);
