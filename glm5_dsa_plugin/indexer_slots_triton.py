@@ -14,8 +14,9 @@ registers. Backward, for the incoming g = dL/dscore [T, K] (ignored at padding s
 
 One program per query row walks all of its slots, so dq and dw are complete in registers; dk is
 accumulated in fp32 with atomics (its summation order is not fixed). Products run on the tensor
-cores with fp32 accumulation (the backward's dS products in tf32x3, i.e. fp32 accuracy); fp32
-inputs use IEEE fp32 products. Runs under
+cores with fp32 accumulation; the backward rounds dS to the inputs' dtype for its two products
+(bf16: about 2e-3 relative error in dq and dk against fp32 math, as the sparse-MLA backward);
+fp32 inputs use IEEE fp32 products. Runs under
 ``TRITON_INTERPRET=1`` on CPU (how CI tests it).
 """
 
@@ -78,14 +79,13 @@ def _slot_scores_bwd_kernel(Q, K, W, IDX, G, DQ, DW, DK, scale, n_slots: tl.cons
             s = tl.dot(q, tl.trans(k)) * scale
         dw += tl.sum(tl.maximum(s, 0.0) * g[None, :], axis=1)
         ds = tl.where(s > 0.0, g[None, :] * w[:, None], 0.0) * scale  # [HP, BJ]
-        # dS stays fp32: dk sums contributions of thousands of rows that largely cancel, so a
-        # bf16 dS would cost it about 5% relative error; tf32x3 keeps fp32 accuracy on tensor cores
         if IEEE:
             dq += tl.dot(ds, k.to(tl.float32), input_precision="ieee")
             dk = tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee")
-        else:
-            dq += tl.dot(ds, k.to(tl.float32), input_precision="tf32x3")
-            dk = tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="tf32x3")
+        else:  # dS rounded to the inputs' dtype, fp32 accumulation (as the sparse-MLA backward)
+            dsl = ds.to(k.dtype)
+            dq += tl.dot(dsl, k)
+            dk = tl.dot(tl.trans(dsl), q)
         tl.atomic_add(DK + idx[:, None].to(tl.int64) * D + d[None, :], dk, mask=valid[:, None], sem="relaxed")
     tl.store(DQ + t * (HI * D) + h[:, None] * D + d[None, :], dq, mask=hmask[:, None])
     tl.store(DW + t * HI + h, dw, mask=hmask)

