@@ -54,7 +54,7 @@ def make_impls(has_mcore):
     # block over their keys' union); "ours_r1" is one query row per block. Both in the same run
     try:
         from glm5_dsa_plugin.ops.backends import register_backend
-        from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+        from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
         register_backend("tilelang_classic", lambda: TileLangBackend(fwd_warp_specialized=False,
                                                                       bwd_warp_specialized=False),
@@ -81,7 +81,9 @@ def prebuild(impls, heads, extras=True):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from glm5_dsa_plugin.ops.tilelang_backend import AUTO_BUCKETS_64, TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.plan import AUTO_BUCKETS_64
+
 
     def run(job):
         try:
@@ -122,7 +124,7 @@ def prebuild(impls, heads, extras=True):
 def fix_cost(gen, idx, T, T_kv, H=64):
     """W1 backend forward / backward ms: the shipped default, and safe vs unsafe kernels of the same
     (single-warpgroup) forward and backward, i.e. what the padding / bounds fixes cost."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     out = {}
     for label, be in (("default", TileLangBackend()), ("safe=True", TileLangBackend(fwd_warp_specialized=False,
@@ -142,7 +144,7 @@ def guard_repair_cost(gen, frac=0.01):
     import warnings
 
     from glm5_dsa_plugin.ops import backends
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     class OnePercentNaN(TileLangBackend):
         name = "tilelang_nan1pct"
@@ -449,7 +451,7 @@ def main():
         # what the guard runs for the TileLang backend (kv clean: lse read, out rows only if unusual)
         from glm5_dsa_plugin.ops import EMPTY_ROW_LSE
         from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, KV_SUSPECT_SLOT
-        from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+        from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
         from glm5_dsa_plugin.ops.triton_helpers import check_forward
 
         gated = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")

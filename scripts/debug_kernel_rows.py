@@ -12,7 +12,7 @@ import torch
 import triton.testing
 
 from glm5_dsa_plugin.ops import reference as ref
-from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 from glm5_dsa_plugin.ops.workloads import w1_indices, w2_indices
 
 

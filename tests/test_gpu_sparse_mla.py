@@ -105,7 +105,7 @@ def test_unsupported_split_is_a_clear_error():
 
 
 def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, T_kv, H = 256, 1024, 64
@@ -137,8 +137,10 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     forward's 64-slot blocks, so the last pair's second block re-reads the last one; the
     backward's 32-slot blocks then number 6)."""
     from glm5_dsa_plugin.ops.row_groups import group_keys
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, forward_launches
-    from glm5_dsa_plugin.ops.tilelang_kernels import (sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel,
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.plan import forward_launches
+    from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
                                                       sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel)
     from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
 
@@ -228,7 +230,7 @@ def test_backward_keeps_the_callers_indices(H, topk, options, caller):
     """What autograd keeps for the backward: the caller's indices where the backward can read them
     as they are, so no second index-sized tensor per call; the rewritten copy elsewhere. Either
     way the gradients equal the reference, with indices the rule rejects acting as padding."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, T_kv = 160, 300
@@ -282,7 +284,7 @@ def test_nonfinite_inputs_come_out_nonfinite(H, options):
     finite, and invisible to the guard. A row group may spread a NaN key to the group's other
     rows (a masked entry is -inf + NaN); nothing else may differ: every other entry is finite
     and matches the reference."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, _kernel_lists
+    from glm5_dsa_plugin.ops.tilelang.backend import _kernel_lists, TileLangBackend
 
     T, T_kv = 256, 2048
     gen, q, kv, idx, grad = _nonfinite_case(H, T, T_kv)
@@ -322,7 +324,7 @@ def test_backward_flags_exactly_its_nonfinite_outputs(H, options, case):
     case. ``inf_value``: +inf in a kv row's value columns, which (for heads whose q is negative
     there) scores -inf, a zero weight, and 0 * inf = NaN while lse stays finite; ``nan_grad``:
     one row of dO is NaN (the forward stays finite)."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     _, q, kv, idx, grad = _nonfinite_case(H)
     if case == "inf_value":
@@ -363,7 +365,7 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
     flags more only for doubtful rows (lse beyond the bound, or empty with a valid slot), whose
     lse it sets to NaN, every other lse untouched; in the clean case nothing."""
     from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, KV_SUSPECT_SLOT
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
     from glm5_dsa_plugin.ops.triton_helpers import check_forward, flag_nonfinite
 
     _, q, kv, idx, _ = _nonfinite_case(H)
@@ -465,7 +467,7 @@ def test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels(H, options
     first slot blocks are all padding (the running max -inf through them) and every other row; the
     empty row is an empty row. The running max starts at -inf since session 22; at -2^30 the first
     such row came out empty (out 0, lse EMPTY_ROW_LSE: exp51), which only the guard caught."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, T_kv, K = 256, 512, 192
@@ -543,7 +545,7 @@ def test_device_side_backward_repair(tmp_path, H):
     arrive when the flags are settled (``guard_stats``)."""
     from glm5_dsa_plugin.ops import configure, guard_stats, reset_guard_stats
     from glm5_dsa_plugin.ops.backends import register_backend
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     T, K = 512, 256
     bad_q, bad_kv = [3, 100, 400], [5, 200]
@@ -672,7 +674,7 @@ def test_device_side_forward_repair(tmp_path, H):
     dumped when the flags are settled (the backward)."""
     from glm5_dsa_plugin.ops import configure, guard_stats, reset_guard_stats
     from glm5_dsa_plugin.ops.backends import register_backend
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     T, K = 512, 256
     bad_out, bad_lse = [3, 300], [100]
@@ -723,7 +725,7 @@ def test_deterministic_backward_is_bitwise_reproducible_and_exact(H, G, R):
     a small slot buffer forces several row chunks. R > 1: row groups (one contribution per entry of
     a group's key list), R = 1 below 64 heads: one-row blocks (row_groups=False)."""
     from glm5_dsa_plugin.ops import backends
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     seen = []
 
@@ -761,7 +763,8 @@ def test_forward_plan_auto_for_64_row_tiles():
     blocks; once those counts are in (read without a sync) a call of the same shape on ragged
     causal rows runs the single-stage buckets. Both outputs are bitwise equal (the plan never
     changes a result) and equal to the reference."""
-    from glm5_dsa_plugin.ops.tilelang_backend import AUTO_BUCKETS_64, TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.plan import AUTO_BUCKETS_64
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, topk, H = 1024, 1024, 64
@@ -784,7 +787,7 @@ def test_row_groups_auto_follows_key_sharing():
     and random keys over a wide range (little sharing) stay on row groups; rows whose groups share
     no key at all switch to one-row blocks once the first call's counts are in (ENTRY_COST = 1).
     Every call equals the reference (the choice never changes a result beyond rounding)."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, H, K = 512, 16, 256
@@ -836,7 +839,7 @@ def test_row_groups_count_repeated_keys_per_slot(H):
     rows that repeat a key in half their slots, an all -1 row and a last group past the sequence
     (T = 203) equal the reference, which counts every slot; the key lists and the forward are
     bitwise the same in every call."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, T_kv, K = 203, 100, 128

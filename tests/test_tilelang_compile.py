@@ -17,7 +17,9 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not o
 
 @pytest.mark.parametrize("heads,kv_group,d_v", [(64, 1, 512), (16, 1, 512), (64, 2, 256)])
 def test_kernels_build_for_sm90(heads, kv_group, d_v):
-    from glm5_dsa_plugin.ops.tilelang_kernels import PASS_CONFIGS, sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.compile import PASS_CONFIGS
+    from glm5_dsa_plugin.ops.tilelang.fwd import sparse_mla_fwd_kernel
 
     fwd = sparse_mla_fwd_kernel(heads, d_v, 64, 2048, kv_group, 256**-0.5, target=SM90)
     bwd = sparse_mla_bwd_kernel(heads, d_v, 64, 2048, kv_group, 256**-0.5, target=SM90)
@@ -47,7 +49,8 @@ def test_every_forward_launch_fits_in_shared_memory(hg, buckets_64):
     """Each kernel of the backend's launch plan (row buckets included) asks for <= 227 KiB:
     the bucketed two-stage 64-row tile once asked for 230 KiB and failed at launch on the H200,
     so 64-row tiles are bucketed only single-stage (``fwd_buckets_64``)."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, forward_launches, padded_heads_per_group
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.plan import forward_launches, padded_heads_per_group
 
     be = TileLangBackend(fwd_buckets_64=buckets_64)
     hg_pad = padded_heads_per_group(hg, be.fwd_min_heads)
@@ -66,14 +69,14 @@ def test_every_forward_launch_fits_in_shared_memory(hg, buckets_64):
 
 def test_shared_memory_probe_sees_the_oversized_kernel():
     """The probe above can fail: the 64-row tile under a bucket's row test is over the limit."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd import sparse_mla_fwd_kernel
 
     k = sparse_mla_fwd_kernel(64, 512, 64, 2048, 1, 256**-0.5, target=SM90, select_in_kernel=False, blocks=(8, 16))
     assert _requested_dyn_smem(k) > HOPPER_MAX_DYN_SMEM
 
 
 def test_deterministic_backward_builds_without_atomics():
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
 
     src = sparse_mla_bwd_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90, dkv_per_slot=True).get_kernel_source()
     assert "AtomicAdd" not in src
@@ -107,7 +110,7 @@ def test_deterministic_warp_specialised_backward_stores_each_slot():
     topk, 576]: one slot row is 576 floats) and issues no atomic, under the same valid-slot test;
     the atomic kernel keeps its vector atomics (from registers, after the buffer's free: the
     same order, ``_drain_writes``). The same shared memory (<= 227 KiB)."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     per_slot = sparse_mla_bwd_ws_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90A, dkv_per_slot=True)
     atomic = sparse_mla_bwd_ws_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90A)
@@ -124,7 +127,7 @@ def test_deterministic_row_group_backward_stores_each_group_entry():
     stores each valid entry of a group's list (rows of 576 floats, slot_stride of them per group
     and head tile: the caller's, not R * topk) under the same valid-entry test, without atomics;
     the same shared memory as the atomic row-group kernel."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     per_slot = sparse_mla_bwd_ws_kernel(16, 512, 64, 2048, 1, 256**-0.5, rows_per_block=4, target=SM90A,
                                         dkv_per_slot=True)
@@ -137,7 +140,7 @@ def test_deterministic_row_group_backward_stores_each_group_entry():
 
 
 def test_unsupported_split_rejected_before_compiling():
-    from glm5_dsa_plugin.ops.tilelang_kernels import check_split
+    from glm5_dsa_plugin.ops.tilelang.shapes import check_split
 
     with pytest.raises(ValueError, match=r"supports \(d_v, d_tail\)"):
         check_split(384, 64)
@@ -149,7 +152,7 @@ def test_small_head_forward_has_a_barrier_before_the_p_tile_write(heads):
     """16/32-row head tiles: TileLang 0.1.15 aliases reduce_sum's cross-warp workspace with p_s;
     every write of p_s must come after a block-wide barrier (else a fast warp clobbers partial
     row sums that a slow warp is still reading)."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd import sparse_mla_fwd_kernel
 
     src = sparse_mla_fwd_kernel(heads, 512, 64, 192, 1, 256**-0.5, target=SM90).get_kernel_source()
     lines = [ln.strip() for ln in src.splitlines() if ln.strip()]
@@ -162,7 +165,8 @@ def test_small_head_forward_has_a_barrier_before_the_p_tile_write(heads):
 def _forward_source(kind: str, heads: int, R: int) -> str:
     """CUDA source of a forward kernel at topk 2048, d_v 512: ``kind`` "ws" (warp-specialised,
     sm_90a) or "classic" (single warpgroup: two stages with one row per block, one with row groups)."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd import sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd_ws import sparse_mla_fwd_ws_kernel
 
     if kind == "ws":
         k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
@@ -215,7 +219,8 @@ def test_backward_index_checks_cannot_wrap(ws, heads, R):
     """Every comparison of an index with kv_rows is made in int64: TVM rewrites ``idx < kv_rows - 1``
     into ``idx + 1 < kv_rows``, which in int32 let 2**31 - 1 through to the dKV atomics (session
     17, exp39); the backward reads the caller's indices, so such a value can reach it."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     if ws:
         k = sparse_mla_bwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
@@ -231,8 +236,8 @@ def test_backward_index_checks_cannot_wrap(ws, heads, R):
 def test_row_group_kernels_build_and_fit(hg, kv_group):
     """Fewer than 64 heads per group: the backend's row-group kernels (R = 64 / hg rows per block)
     build for sm_90, fit in shared memory, keep the dKV vector atomics and read the member bits."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
 
     be = TileLangBackend()
     hg_pad, R = be.rows_per_block(hg)
@@ -258,7 +263,7 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
     (a partial wait under its overlapped PV made ptxas serialise every wgmma, session 15); one row
     per block stores out from the dead Q tile in 16-byte stores, row groups from the fragment;
     the setmaxnreg counts fit the 3 x 168 registers per thread given at launch."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd_ws import sparse_mla_fwd_ws_kernel
 
     k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
     src = k.get_kernel_source()
@@ -302,7 +307,7 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     GEMM; row groups keep them split at d_v, two GEMMs), warpgroup 1 dO V^T (one m64n32 GEMM);
     no GEMM splits the slots between the warpgroups (m64n16) any more. One row per block stores
     dq through the dead Q tile (exp49)."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     k = sparse_mla_bwd_ws_kernel(heads, d_v, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
     src = k.get_kernel_source()
@@ -361,8 +366,8 @@ def test_warp_specialized_backward_places_its_own_proxy_fences(heads, d_v, R):
     still gets its inserted fence before warpgroup 0's P0 V0, and the wrapper is installed once."""
     import tilelang.cuda.transform as tl_cuda_transform
 
-    from glm5_dsa_plugin.ops import tilelang_kernels
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang import compile as tl_compile
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     src = sparse_mla_bwd_ws_kernel(heads, d_v, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A).get_kernel_source()
     fence = "tl::fence_proxy_async();"
@@ -382,7 +387,7 @@ def test_warp_specialized_backward_places_its_own_proxy_fences(heads, d_v, R):
     assert fwd.count(fence) == 3 and len(re.findall(inserted, fwd)) == 1
     wrapped = tl_cuda_transform.InjectFenceProxy
     assert wrapped.explicit_fences_aware
-    tilelang_kernels._install_selective_fence_pass()
+    tl_compile._install_selective_fence_pass()
     assert tl_cuda_transform.InjectFenceProxy is wrapped
 
 
@@ -390,7 +395,7 @@ def test_warp_specialized_backward_places_its_own_proxy_fences(heads, d_v, R):
 def test_warp_specialized_backward_reads_lse_before_its_block_loop(heads, R):
     """Warpgroup 0 reads its rows' lse once, before the block loop: loaded after each step's score
     GEMM (behind a wgmma wait no load can move above) it cost the W2 H64 backward 2-3% (exp69)."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     src = sparse_mla_bwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A).get_kernel_source()
     loop = src.index("for (int blk = 0; blk < nb; ++blk)")
@@ -402,7 +407,7 @@ def test_warp_specialized_backward_reads_lse_before_its_block_loop(heads, R):
 def test_vector_rows_splits_a_tile_into_whole_vectors(rows, width, threads):
     """``vector_rows`` leaves the largest leading row count whose elements divide into 8-element
     vectors for every thread, and fewer rows than one such step after it."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import vector_rows
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import vector_rows
 
     split = vector_rows(rows, width, threads)
     assert 0 <= split <= rows and split * width % (threads * 8) == 0
@@ -413,7 +418,7 @@ def test_warp_specialized_backward_choice():
     """``bwd_warp_specialized`` (default True) runs it for every 64-row tile with atomic dKV:
     >= 64 heads per kv group, and row groups; not for 16/32-row tiles, not when False, not in
     deterministic mode, not with safe=False; a non-bool is an error."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     cases = [(64, False), (128, False), (32, False), (16, False), (8, True), (16, True)]
     chosen = [TileLangBackend()._warp_specialized(h, rg, backward=True) for h, rg in cases]
@@ -429,7 +434,7 @@ def test_warp_specialized_forward_choice():
     """``fwd_warp_specialized`` (default True) runs it for every 64-row tile: >= 64 heads per kv
     group, and row groups; 16/32-row tiles never; False never; safe=False (fix-cost measurement)
     never; a non-bool is an error."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     cases = [(64, False), (128, False), (32, False), (16, False), (8, True), (16, True)]
     assert [TileLangBackend()._warp_specialized(h, rg) for h, rg in cases] == [True, True, False, False, True, True]
@@ -442,7 +447,7 @@ def test_warp_specialized_forward_choice():
 def test_warp_specialized_forward_has_no_bucket_plan():
     """A shape on the warp-specialised forward neither counts rows nor asks for row buckets, even
     with ``fwd_buckets_64`` set; with it off, the 64-row plan is the classic one."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     idx = torch.zeros(1, 8, 1, 2048, dtype=torch.int32)
     assert TileLangBackend(fwd_buckets_64=8)._plan_64(idx, 64, 32, "cpu") == (1, None, None)
@@ -456,12 +461,13 @@ def test_each_kernel_is_built_once_when_threads_ask_together():
     import threading
     import time
 
-    from glm5_dsa_plugin.ops import tilelang_kernels as tk
+    from glm5_dsa_plugin.ops.tilelang import bwd, bwd_ws, fwd, fwd_ws
+    from glm5_dsa_plugin.ops.tilelang.compile import built_once
 
     calls, running, overlap = [], [0], [0]
     lock = threading.Lock()
 
-    @tk.built_once
+    @built_once
     def build(n, scale=1.0):
         with lock:
             calls.append((n, scale))
@@ -485,6 +491,6 @@ def test_each_kernel_is_built_once_when_threads_ask_together():
     assert sorted(calls) == [(0, 0.5), (1, 0.5)] and overlap[0] == 2
     assert len({id(results[i]) for i in range(0, 8, 2)}) == 1 and len({id(results[i]) for i in range(1, 8, 2)}) == 1
     assert build(0, scale=0.5) is results[0] and build(0, scale=0.25) is not results[0]
-    for builder in (tk.sparse_mla_fwd_kernel, tk.sparse_mla_fwd_ws_kernel, tk.sparse_mla_bwd_kernel,
-                    tk.sparse_mla_bwd_ws_kernel):
-        assert builder.__code__ is tk.built_once(lambda: None).__code__  # the same wrapper
+    for builder in (fwd.sparse_mla_fwd_kernel, fwd_ws.sparse_mla_fwd_ws_kernel, bwd.sparse_mla_bwd_kernel,
+                    bwd_ws.sparse_mla_bwd_ws_kernel):
+        assert builder.__code__ is built_once(lambda: None).__code__  # the same wrapper

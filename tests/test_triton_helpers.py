@@ -131,7 +131,7 @@ for block in (32, 64):
     want = torch.bincount(((ext + block - 1) // block).flatten().long(), minlength=256 // block + 1)
     assert torch.equal(counts, want.to(torch.int32)) and counts[0] >= 1, (counts, want)
 # the TileLang backend's saved inputs give the caller's (kv, indices) back for the guard's repair
-from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 be = TileLangBackend()
 kv = torch.randn(2, 30, 1, 576, generator=g).bfloat16()
 idx = torch.randint(-1, 30, (2, 7, 1, 100), generator=g, dtype=torch.int32)
@@ -285,7 +285,7 @@ def test_forward_check_and_kv_flag_in_interpreter():
 
 
 def test_forward_buckets_cover_every_row_once():
-    from glm5_dsa_plugin.ops.tilelang_backend import forward_buckets
+    from glm5_dsa_plugin.ops.tilelang.plan import forward_buckets
 
     for n_blocks in (1, 2, 3, 7, 32, 64):
         for buckets in (1, 2, 4, 8):
@@ -301,7 +301,9 @@ def test_cheaper_buckets_64_follows_the_rows():
     keep one two-stage launch, mostly empty rows pick the buckets."""
     import pytest
 
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, cheaper_buckets_64
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.plan import cheaper_buckets_64
+
 
     n = 32
     w2 = [0] * (n + 1)
@@ -318,7 +320,7 @@ def test_cheaper_buckets_64_follows_the_rows():
 def test_forward_launch_plans():
     """16/32-row tiles: two-stage buckets; 64-row tiles: one two-stage launch unless single-stage
     buckets are asked for; short topk: one launch."""
-    from glm5_dsa_plugin.ops.tilelang_backend import forward_launches
+    from glm5_dsa_plugin.ops.tilelang.plan import forward_launches
 
     assert forward_launches(16, 32, 4) == [(0, 8, 2), (8, 16, 2), (16, 24, 2), (24, 32, 2)]
     assert forward_launches(64, 32, 4) == [(0, 32, 2)]
@@ -337,7 +339,9 @@ def test_row_group_geometry_and_choice():
     every REPROBE_CALLS calls."""
     import pytest
 
-    from glm5_dsa_plugin.ops.tilelang_backend import REPROBE_CALLS, TileLangBackend, _RowGroupChoice
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.plan import REPROBE_CALLS, RowGroupChoice
+
 
     be = TileLangBackend()
     assert [be.rows_per_block(hg) for hg in (4, 8, 12, 16, 32, 64, 128)] == \
@@ -349,7 +353,7 @@ def test_row_group_geometry_and_choice():
     with pytest.raises(ValueError, match="row_groups"):
         TileLangBackend(row_groups="sometimes")
 
-    choice = _RowGroupChoice()
+    choice = RowGroupChoice()
     arrivals = iter([None, [100, 1000], None])  # counts of W2-like sharing arrive on the 2nd call
     choice.arrived = lambda: next(arrivals, None)
     assert [choice.choose() for _ in range(3)] == [(True, True)] * 3
@@ -364,7 +368,7 @@ def test_row_group_geometry_and_choice():
 
 
 def test_deterministic_variant_keeps_every_setting():
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     be = TileLangBackend(fwd_min_heads=32, fwd_buckets=2, fwd_buckets_64=8, fwd_block_16=32, fwd_select_in_kernel=True,
                          slot_buffer_bytes=1 << 20)
@@ -377,20 +381,20 @@ def test_deterministic_variant_keeps_every_setting():
 def test_deterministic_chunks_are_whole_waves():
     """Rows per deterministic chunk round down to whole waves of one CTA per SM (132 SMs: 455 rows
     -> 396, three waves; two CTAs per row -> 396 rows, six waves); fewer rows than one wave stay."""
-    from glm5_dsa_plugin.ops.tilelang_backend import _whole_waves
+    from glm5_dsa_plugin.ops.tilelang.plan import whole_waves
 
-    assert _whole_waves(455, 1, 132) == 396
-    assert _whole_waves(455, 2, 132) == 396 and 396 * 2 % 132 == 0
-    assert _whole_waves(455, 3, 132) == 440 and 440 * 3 % 132 == 0
-    assert _whole_waves(131, 1, 132) == 131 and _whole_waves(132, 1, 132) == 132
-    assert _whole_waves(1, 4, 132) == 1
+    assert whole_waves(455, 1, 132) == 396
+    assert whole_waves(455, 2, 132) == 396 and 396 * 2 % 132 == 0
+    assert whole_waves(455, 3, 132) == 440 and 440 * 3 % 132 == 0
+    assert whole_waves(131, 1, 132) == 131 and whole_waves(132, 1, 132) == 132
+    assert whole_waves(1, 4, 132) == 1
 
 
 DETERMINISTIC_CHUNKS = r"""
 import types
 import torch
-from glm5_dsa_plugin.ops import tilelang_kernels as tk
-from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+from glm5_dsa_plugin.ops.tilelang import bwd_ws
+from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
 # The deterministic backward's chunk loop with the kernels replaced by a stand-in that writes a
 # known contribution for every slot (NaN for padding slots: the sum must never read them), dq as
@@ -421,7 +425,7 @@ def check(B):
             dq.copy_((torch.arange(rows) + t0 + 1).view(1, rows, 1, 1).expand_as(dq))
         return kernel
 
-    tk.sparse_mla_bwd_ws_kernel = fake_builder
+    bwd_ws.sparse_mla_bwd_ws_kernel = fake_builder
     qp = torch.zeros(B, T, Hp, D, dtype=torch.bfloat16)
     qp[:, :, 0, 0] = torch.arange(T, dtype=torch.bfloat16)  # row numbers (exact in bf16 below 256)
     kv_k = torch.zeros(B, n_kv + 1, G, D, dtype=torch.bfloat16)
@@ -474,7 +478,7 @@ def check_groups(B, R=4):
             dq.copy_((torch.arange(dq.shape[1]) + t0 + 1).view(1, -1, 1, 1).expand_as(dq))
         return kernel
 
-    tk.sparse_mla_bwd_ws_kernel = fake_builder
+    bwd_ws.sparse_mla_bwd_ws_kernel = fake_builder
     qp = torch.zeros(B, T, G * hg, D, dtype=torch.bfloat16)
     qp[:, :, 0, 0] = torch.arange(T, dtype=torch.bfloat16)
     kv_k = torch.zeros(B, n_kv + 1, G, D, dtype=torch.bfloat16)

@@ -117,7 +117,7 @@ class ReferenceBackend:
 
 
 def _tilelang_factory() -> Backend:
-    from .tilelang_backend import TileLangBackend
+    from .tilelang.backend import TileLangBackend
 
     return TileLangBackend()
 

@@ -180,7 +180,7 @@ def environment_record() -> dict:
         rec["gpu"] = torch.cuda.get_device_name()
         rec["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
     try:
-        from .tilelang_kernels import PASS_CONFIGS
+        from .tilelang.compile import PASS_CONFIGS
 
         rec["pass_configs"] = {str(k): v for k, v in PASS_CONFIGS.items()}
     except Exception as exc:  # noqa: BLE001

@@ -1,32 +1,18 @@
-"""Host side of the TileLang backend: availability, head/topk padding, kernel launch.
-
-Padding done here (so the kernels never index past a buffer):
-  * heads per kv group are padded with zero query heads to 16, 32, 64 or a multiple of 64
-    (row groups: to 8, 16 or 32) (zero q gives finite scores; the padded heads' out is dropped
-    and their dO is zero, so they add exactly nothing to dkv);
-  * topk is padded to a multiple of ``BLOCK_TOPK`` and every slot outside [0, T_kv) is rewritten
-    to T_kv in the same pass, which also yields each row's extent (for skipping pure-padding
-    blocks) and the index-rule flag (``triton_helpers.prepare_indices``, one launch), so no index
-    value a caller passes can make a kernel touch memory out of bounds (validation may
-    therefore be read after the kernel);
-  * kv gets one all-zero sentinel row appended (row T_kv): those slots gather it
-    (see tilelang_kernels). The copy is made in the same launch, small next to the kernel.
-These prepared inputs are built once per call and kept for the backward (``save``), with the
-row groups' key lists (``row_groups.group_keys``) when the call runs row groups.
-"""
+"""The TileLang backend: availability, the prepared inputs kept for the backward, kernel launch."""
 
 from __future__ import annotations
 
 import copy
 import functools
-import math
 
 import torch
-import torch.nn.functional as F
 
-from .contract import SparseMLAInputError
-from .row_groups import group_keys
-from .triton_helpers import finish_backward, prepare_indices
+from ..contract import SparseMLAInputError
+from ..row_groups import group_keys
+from ..triton_helpers import finish_backward, prepare_indices
+from .plan import (BWD_MIN_HEADS, FWD_MIN_HEADS, BlockCountsOfLastCall, RowGroupChoice, forward_launches, pad_heads,
+                   pad_topk, padded_heads_per_group, padded_topk, unpad_heads, whole_waves)
+from .shapes import BLOCK_TOPK, check_split, row_group_geometry
 
 MIN_CAPABILITY = (9, 0)
 
@@ -36,7 +22,7 @@ def _import_status() -> tuple[bool, str]:
     try:
         import tilelang  # noqa: F401
 
-        from . import tilelang_kernels  # noqa: F401
+        from . import bwd, bwd_ws, fwd, fwd_ws  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - report the reason to the user
         return False, f"tilelang does not import: {type(exc).__name__}: {exc}"
     return True, f"tilelang {tilelang.__version__}"
@@ -49,185 +35,6 @@ def _device_status(index: int) -> tuple[bool, str]:
     if cap < MIN_CAPABILITY:
         return False, f"GPU compute capability {cap} < sm_90 (kernels use Hopper wgmma)"
     return True, f"{_import_status()[1]} on {torch.cuda.get_device_name(index)} (sm_{cap[0]}{cap[1]})"
-
-
-# Smallest head tile per kernel (heads per kv group are zero-padded up to it). 16-row forward
-# tiles were wrong on TileLang 0.1.15 until the barrier before the P-tile write (see
-# tilelang_kernels); with it, proven on the H200 (0 bad rows on the configurations that failed:
-# benchmarks/results/2026-11-29_h200_v4c_forward_variants.log and the v5 one).
-FWD_MIN_HEADS = 16
-BWD_MIN_HEADS = 16
-
-
-def padded_heads_per_group(hg: int, minimum: int = 16) -> int:
-    """Heads per kv group as the kernels see them: a power of two in [minimum, 64], or a multiple of 64."""
-    if hg <= 64:
-        p = minimum
-        while p < hg:
-            p *= 2
-        return p
-    return -(-hg // 64) * 64
-
-
-def _pad_heads(x: torch.Tensor, groups: int, hg: int, hg_pad: int) -> torch.Tensor:
-    """[B, T, G*hg, D] -> [B, T, G*hg_pad, D] with zero heads appended per group."""
-    if hg == hg_pad:
-        return x.contiguous()
-    B, T, _, D = x.shape
-    return F.pad(x.view(B, T, groups, hg, D), (0, 0, 0, hg_pad - hg)).view(B, T, groups * hg_pad, D)
-
-
-def _unpad_heads(x: torch.Tensor, groups: int, hg: int, hg_pad: int) -> torch.Tensor:
-    if hg == hg_pad:
-        return x
-    B, T = x.shape[:2]
-    rest = x.shape[3:]
-    return x.view(B, T, groups, hg_pad, *rest)[:, :, :, :hg].reshape(B, T, groups * hg, *rest)
-
-
-def padded_topk(topk: int) -> int:
-    """topk as the kernels see it: rounded up to a multiple of ``BLOCK_TOPK`` (64)."""
-    from .tilelang_kernels import BLOCK_TOPK
-
-    return -(-topk // BLOCK_TOPK) * BLOCK_TOPK
-
-
-def _pad_topk(indices: torch.Tensor, block: int) -> torch.Tensor:
-    """[..., K] -> [..., ceil(K / block) * block] with -1 slots appended (contiguous)."""
-    k = indices.shape[-1]
-    if k % block == 0:
-        return indices.contiguous()
-    return F.pad(indices, (0, block - k % block), value=-1).contiguous()
-
-
-def _whole_waves(rows: int, ctas_per_row: int, n_sm: int) -> int:
-    """Query rows per deterministic chunk: at most ``rows``, rounded down to whole waves of a
-    kernel that runs one CTA per SM (``ctas_per_row`` CTAs per row), unless that leaves none.
-    With one CTA per SM, a chunk of 3.45 waves idles most SMs through its last wave; the chunk
-    boundaries set where dKV's per-chunk sums meet, so the bits depend on the GPU's SM count."""
-    step = n_sm // math.gcd(n_sm, ctas_per_row)
-    return rows // step * step if rows >= step else rows
-
-
-def forward_buckets(n_blocks: int, buckets: int) -> list[tuple[int, int]]:
-    """Split [0, n_blocks] slot blocks into ``buckets`` launches (lo, hi]: a row needing b blocks
-    runs in the launch with lo < b <= hi (b = 0 in the first) and computes hi blocks, so the
-    pure-padding tail of short rows is skipped while every loop stays static and pipelined."""
-    edges = sorted({round(n_blocks * k / buckets) for k in range(buckets + 1)})  # includes 0 and n_blocks
-    return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
-
-
-def forward_launches(hg_pad: int, n_blocks: int, buckets: int, buckets_64: int = 1) -> list[tuple[int, int, int]]:
-    """The forward's launches (lo, hi, pipeline stages) for ``hg_pad`` heads per group and
-    ``n_blocks`` slot blocks; one launch for short topk (< 8 blocks: little tail to skip, fewer
-    kernels to compile).
-
-    16/32-row head tiles: ``buckets`` launches, two-stage pipelined. 64-row tiles: one two-stage
-    launch, or ``buckets_64`` single-stage launches. TileLang 0.1.15 stops reusing the
-    reductions' shared workspaces once the pipelined loop sits under the bucket's row test, which
-    takes the two-stage 64-row tile to 230 KB, over Hopper's 227 KB (the launch fails;
-    tests/test_tilelang_compile.py checks every plan); single-stage it is 156 KB. Single-stage
-    buckets are faster on ragged rows (W2 H64 kernel, 8 buckets: 3.60 vs 4.38 ms, bitwise equal
-    out) and slower on full rows (one single-stage launch: 4.88 ms), hence an option, or a choice
-    per call from row counts (``fwd_buckets_64="auto"``, ``cheaper_buckets_64``)
-    (benchmarks/results/2026-11-29_h200_v6c_h64_stages_buckets.log)."""
-    from .tilelang_kernels import head_block
-
-    if n_blocks < 8:
-        return [(0, n_blocks, 2)]
-    if head_block(hg_pad) >= 64:
-        if buckets_64 > 1:
-            return [(lo, hi, 1) for lo, hi in forward_buckets(n_blocks, buckets_64)]
-        return [(0, n_blocks, 2)]
-    return [(lo, hi, 2) for lo, hi in forward_buckets(n_blocks, buckets)]
-
-
-# cost of one computed slot block of a 64-row tile, single-stage vs two-stage (one launch each,
-# W2 H64: 4.88 vs 4.38 ms, benchmarks/results/2026-11-29_h200_v6c_h64_stages_buckets.log)
-SINGLE_STAGE_COST = 1.11
-AUTO_BUCKETS_64 = 8  # buckets of the single-stage plan that ``fwd_buckets_64="auto"`` weighs
-
-
-def cheaper_buckets_64(block_counts: list[int], n_blocks: int, buckets: int) -> int:
-    """``buckets_64`` for a 64-row tile given how many rows need c slot blocks (``block_counts[c]``,
-    c = 0..n_blocks): ``buckets`` single-stage launches when their cost-weighted computed blocks
-    (each row runs its bucket's ``hi``) are fewer than one two-stage launch's (every row runs
-    all blocks), else 1."""
-    edges = forward_buckets(n_blocks, buckets)
-    hi = [next(h for _, h in edges if c <= h) for c in range(n_blocks + 1)]
-    single = SINGLE_STAGE_COST * sum(n * h for n, h in zip(block_counts, hi))
-    return buckets if single < sum(block_counts) * n_blocks else 1
-
-
-class _CountsOfLastCall:
-    """Counts from a previous call of one shape, copied to pinned host memory behind the kernels
-    and read only once that copy is done (``Event.query``): a launch choice made from them never
-    waits on the GPU. The choices they feed never change a result, so stale counts only cost speed."""
-
-    def __init__(self, n: int, dtype=torch.int32):
-        self.host = torch.zeros(n, dtype=dtype, pin_memory=torch.cuda.is_available())  # (CPU tests: unpinned)
-        self.event = torch.cuda.Event()
-        self.pending = False
-
-    def arrived(self) -> list[int] | None:
-        """The last recorded counts once their copy is done, each recording once; else None."""
-        if self.pending and self.event.query():
-            self.pending = False
-            return self.host.tolist()
-        return None
-
-    def record(self, counts: torch.Tensor) -> None:
-        self.host.copy_(counts, non_blocking=True)
-        self.event.record()
-        self.pending = True
-
-
-class _BlockCountsOfLastCall(_CountsOfLastCall):
-    """The rows' block counts of a previous call -> the 64-row forward plan (skipped blocks are pure
-    padding, which adds exact zeros)."""
-
-    def __init__(self, n: int):
-        super().__init__(n)
-        self.buckets_64 = 1  # two-stage until counts arrive
-
-    def choose(self, n_blocks: int) -> int:
-        counts = self.arrived()
-        if counts is not None:
-            self.buckets_64 = cheaper_buckets_64(counts, n_blocks, AUTO_BUCKETS_64)
-        return self.buckets_64
-
-
-# fwd+bwd cost of one row-group entry (64-row tile over R rows' union) relative to one slot of a
-# one-row block: 1.5-1.7 in session 6 (v8b), 0.62-1.00 since both row-group kernels are
-# warp-specialised (session 16, exp33: H8 / H16 / H32 at W1, W2 and random keys over 32k; 1.00 at
-# W2, whose groups share the most keys). With 1.0 one-row blocks run only rows that share no key.
-ENTRY_COST = 1.0
-REPROBE_CALLS = 64  # a shape that chose one-row blocks builds the group lists again this often
-
-
-class _RowGroupChoice(_CountsOfLastCall):
-    """``row_groups="auto"``: row groups for a shape while its last counted call had
-    ENTRY_COST * (group entries) < (slots the one-row kernels run, the rows' extents); rows
-    sharing no keys run one row per block. A shape on one-row blocks is counted again every
-    REPROBE_CALLS calls (building the lists once more)."""
-
-    def __init__(self):
-        super().__init__(2, torch.int64)
-        self.use, self.since_count = True, 0  # row groups until counts say otherwise
-
-    def choose(self) -> tuple[bool, bool]:
-        """-> (run row groups, build the lists and record counts in this call)."""
-        counts = self.arrived()
-        if counts is not None:
-            entries, slots = counts
-            self.use = ENTRY_COST * entries < slots
-        if self.use:
-            return True, True
-        self.since_count += 1
-        if self.since_count >= REPROBE_CALLS:
-            self.since_count = 0
-            return False, True
-        return False, False
 
 
 def _kernel_lists(saved: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -274,7 +81,7 @@ class TileLangBackend:
         # the same for 64-row head tiles, single-stage (see forward_launches; 1 = one two-stage
         # launch; "auto": per call from the rows' block counts of the last call of that shape)
         self.fwd_buckets_64 = fwd_buckets_64
-        self._block_counts: dict[tuple, _BlockCountsOfLastCall] = {}
+        self._block_counts: dict[tuple, BlockCountsOfLastCall] = {}
         self._scratch_flags: dict[torch.device, torch.Tensor] = {}
         self._built_plans: set[tuple] = set()  # forward plans whose kernels were built (forward_kernels)
         # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
@@ -283,10 +90,10 @@ class TileLangBackend:
         self.fwd_min_heads = fwd_min_heads
         # fewer than 64 heads per kv group: blocks of R = 64 / hg consecutive query rows over the
         # union of their keys (``row_groups``: always, never, or "auto": per shape, from the last
-        # counted call's entries vs slots, see _RowGroupChoice); not with safe=False, nor in
+        # counted call's entries vs slots, see RowGroupChoice); not with safe=False, nor in
         # deterministic mode without the warp-specialised backward (its per-entry dKV stores)
         self.row_groups = row_groups
-        self._row_group_choice: dict[tuple, _RowGroupChoice] = {}
+        self._row_group_choice: dict[tuple, RowGroupChoice] = {}
         # the warp-specialised forward (``sparse_mla_fwd_ws_kernel``: gathers in flight while two
         # MMA warpgroups split each pair of blocks evenly, one launch whose loop stops at each row's
         # last block) for every 64-row tile (>= 64 heads per kv group, and row groups); False: the
@@ -357,8 +164,6 @@ class TileLangBackend:
         return _device_status(torch.cuda.current_device())
 
     def _check(self, q, kv, d_v):
-        from .tilelang_kernels import check_split
-
         if q.dtype != torch.bfloat16:
             raise SparseMLAInputError(f"sparse_mla backend 'tilelang' needs bf16 q/kv, got {q.dtype}")
         if not q.is_cuda:
@@ -376,8 +181,6 @@ class TileLangBackend:
         read them as they are, ``_kernels_read_caller_indices``). ``kv_flag`` (int32 [1]): see
         :meth:`finite_out_lse_bound`.
         With ``safe=False`` (fix-cost measurement only): raw kv, -1 padding, full extent."""
-        from .tilelang_kernels import BLOCK_TOPK
-
         k_pad = padded_topk(indices.shape[-1])
         if self.safe:
             idx, extent, kv_k = prepare_indices(indices, kv.shape[1], k_pad, index_flag, kv=kv,
@@ -386,7 +189,7 @@ class TileLangBackend:
             return kv_k, idx, extent
         if kv_flag is not None:
             raise ValueError("TileLangBackend(safe=False) sets no kv_flag (finite_out_lse_bound is None)")
-        idx = _pad_topk(indices, BLOCK_TOPK)
+        idx = pad_topk(indices, BLOCK_TOPK)
         return kv.contiguous(), idx, torch.full(idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
 
     def originals(self, saved, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,7 +222,7 @@ class TileLangBackend:
         hg_pad = padded_heads_per_group(hg, 8)
         return hg_pad, 64 // hg_pad
 
-    def _choose_row_groups(self, indices) -> tuple[bool, _RowGroupChoice | None]:
+    def _choose_row_groups(self, indices) -> tuple[bool, RowGroupChoice | None]:
         """-> (run row groups in this call, the choice to record counts into or None)."""
         if self.row_groups is True or indices.shape[1] == 0:
             return True, None
@@ -427,7 +230,7 @@ class TileLangBackend:
         if torch.cuda.is_current_stream_capturing():  # no event queries or host copies there
             return (choice.use if choice is not None else True), None
         if choice is None:
-            choice = self._row_group_choice[tuple(indices.shape)] = _RowGroupChoice()
+            choice = self._row_group_choice[tuple(indices.shape)] = RowGroupChoice()
         use, count = choice.choose()
         return use, choice if count else None
 
@@ -477,7 +280,7 @@ class TileLangBackend:
                 saved = saved + lists
         kv_k, idx = saved[:2]
         R, keys, members, ext = _kernel_lists(saved)
-        qp = _pad_heads(q, G, hg, hg_pad)
+        qp = pad_heads(q, G, hg, hg_pad)
         B, T, Hp, Dqk = qp.shape
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
@@ -489,7 +292,7 @@ class TileLangBackend:
             last.record(counts)
         if caller_ok:
             saved = (saved[0], indices, *saved[2:])
-        return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
+        return unpad_heads(out, G, hg, hg_pad), unpad_heads(lse, G, hg, hg_pad), saved
 
     def _kernels_read_caller_indices(self, indices, row_groups: bool) -> bool:
         """Whether the backward (and the warp-specialised forward) may read the caller's indices
@@ -513,8 +316,6 @@ class TileLangBackend:
     def _fwd_block(self, hg_pad: int) -> int:
         """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``
         (row groups always run ``BLOCK_TOPK``; their plan needs no block count)."""
-        from .tilelang_kernels import BLOCK_TOPK
-
         return self.fwd_block_16 if hg_pad == 16 else BLOCK_TOPK
 
     def forward_kernels(self, Hp: int, d_v: int, d_tail: int, k_pad: int, G: int, sm_scale: float, hg_pad: int,
@@ -526,7 +327,8 @@ class TileLangBackend:
         buckets builds them at once, not one after another. ``target``: build only (CPU tests).
         ``rows_per_block`` > 1: one launch over every row group's own number of blocks.
         ``warp_specialized``: the one launch of ``sparse_mla_fwd_ws_kernel`` (64-row tiles)."""
-        from .tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
+        from .fwd import sparse_mla_fwd_kernel
+        from .fwd_ws import sparse_mla_fwd_ws_kernel
 
         to = {} if target is None else {"target": target}
         if warp_specialized:
@@ -561,7 +363,7 @@ class TileLangBackend:
 
     def _plan_64(self, indices, hg_pad, n_blocks, device):
         """-> (buckets_64 for this call, zeroed row-count buffer to fill or None, its
-        ``_BlockCountsOfLastCall`` or None). Counting runs only for ``fwd_buckets_64="auto"`` on
+        ``BlockCountsOfLastCall`` or None). Counting runs only for ``fwd_buckets_64="auto"`` on
         64-row tiles with topk >= 8 blocks and nonempty input, outside CUDA graph capture (no
         event queries or host copies there), and never for the warp-specialised forward (it has no
         plan: one launch whose loop stops at each row's last block)."""
@@ -575,7 +377,7 @@ class TileLangBackend:
         key = (tuple(indices.shape), n_blocks)
         last = self._block_counts.get(key)
         if last is None:
-            last = self._block_counts[key] = _BlockCountsOfLastCall(n_blocks + 1)
+            last = self._block_counts[key] = BlockCountsOfLastCall(n_blocks + 1)
         return last.choose(n_blocks), torch.zeros(n_blocks + 1, dtype=torch.int32, device=device), last
 
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
@@ -585,7 +387,8 @@ class TileLangBackend:
         """-> (dq, dkv) from :meth:`save`'s tensors; ``nonfinite_flag`` (int32 [1], device) becomes
         nonzero when dq or dkv holds NaN/inf (dq tested in the warp-specialised kernel's registers,
         else in the dKV conversion pass with dkv; no extra launch)."""
-        from .tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
+        from .bwd import sparse_mla_bwd_kernel
+        from .bwd_ws import sparse_mla_bwd_ws_kernel
 
         self._check(q, saved[0], d_v)
         kv_k, idx, extent = saved[:3]
@@ -597,8 +400,8 @@ class TileLangBackend:
         if hg == hg_pad:  # (the common case: no padding ops on the host path)
             qp, dop, outp, lsep = q.contiguous(), grad_out.contiguous(), out.contiguous(), lse.contiguous()
         else:
-            qp, dop, outp = (_pad_heads(x, G, hg, hg_pad) for x in (q, grad_out, out))
-            lsep = _pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
+            qp, dop, outp = (pad_heads(x, G, hg, hg_pad) for x in (q, grad_out, out))
+            lsep = pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
         B, T, Hp, Dqk = qp.shape
         dq_checked = False  # whether the kernel tested dq itself (the warp-specialised one)
         if self.deterministic:
@@ -618,11 +421,11 @@ class TileLangBackend:
                 flag = (self._ws_backward_flag(q.device, nonfinite_flag),) if ws else ()
                 kernel(qp, kv_k, dop, keys, lsep, outp, ext, members, dq, dkv, *flag)
             dq_checked = ws and T > 0
-        dq = _unpad_heads(dq, G, hg, hg_pad)
+        dq = unpad_heads(dq, G, hg, hg_pad)
         return dq, finish_backward(dkv, n_kv, kv_k.dtype, None if dq_checked else dq, nonfinite_flag)
 
     # deterministic mode's row chunks as whole waves of the warp-specialised kernel (see
-    # _whole_waves; False: as many rows as slot_buffer_bytes allows)
+    # whole_waves; False: as many rows as slot_buffer_bytes allows)
     chunk_whole_waves = True
     # row groups' slot buffer holds the longest list per group (one host read per call; False: the
     # full R * topk width, as v29)
@@ -639,8 +442,9 @@ class TileLangBackend:
         drain stores each valid slot's contribution instead of adding it; it tests dq itself and
         sets ``nonfinite_flag``), others the single-warpgroup one. -> (dq, dkv fp32 with the
         sentinel row, whether dq was tested)."""
-        from .tilelang_kernels import row_group_geometry, sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
-        from .triton_helpers import segment_sum_rows
+        from ..triton_helpers import segment_sum_rows
+        from .bwd import sparse_mla_bwd_kernel
+        from .bwd_ws import sparse_mla_bwd_ws_kernel
 
         if not self.safe:
             raise ValueError("deterministic mode needs safe=True (host-rewritten indices)")
@@ -675,7 +479,7 @@ class TileLangBackend:
         blocks = max(1, self.slot_buffer_bytes // per_block)
         dev = qp.device
         if ws and self.chunk_whole_waves:
-            blocks = _whole_waves(blocks, B * G * nh, torch.cuda.get_device_properties(dev).multi_processor_count)
+            blocks = whole_waves(blocks, B * G * nh, torch.cuda.get_device_properties(dev).multi_processor_count)
         key_dtype = torch.int32 if n_rows < 2**31 else torch.int64  # (int32: the sort's radix passes halve)
         b_off = (torch.arange(B, device=dev, dtype=key_dtype) * kv_k.shape[1]).view(B, 1, 1, 1)
         g_off = torch.arange(G, device=dev, dtype=key_dtype).view(1, 1, G, 1)
