@@ -350,15 +350,12 @@ def _forward(backend, q, kv, indices, sm_scale, d_v, index_flag, kv_flag=None):
     kw = {} if index_flag is None else {"index_flag": index_flag}
     if kv_flag is not None:  # (only backends with finite_out_lse_bound, all of which save)
         kw["kv_flag"] = kv_flag
-    if hasattr(backend, "forward_saving"):
-        return backend.forward_saving(q, kv, indices, sm_scale, d_v, **kw)
-    out, lse = backend.forward(q, kv, indices, sm_scale, d_v, **kw)
-    return out, lse, (kv, indices)
+    return backend.forward_saving(q, kv, indices, sm_scale, d_v, **kw)
 
 
 def originals(backend, saved: tuple, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv, indices) of the call whose forward returned ``saved``."""
-    return backend.originals(saved, topk) if hasattr(backend, "forward_saving") else saved
+    return backend.originals(saved, topk)
 
 
 def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool = False,
@@ -381,8 +378,7 @@ def run_forward(backend, q, kv, indices, sm_scale, d_v, defer_index_check: bool 
     those cases."""
     check = _cfg.policy != "off" and backend.name != "reference"
     flags = _new_flags(q.device) if (check or defer_index_check) else None
-    bound_of = getattr(backend, "finite_out_lse_bound", None) if check else None
-    lse_bound = None if bound_of is None else bound_of(sm_scale, indices.shape[-1])
+    lse_bound = backend.finite_out_lse_bound(sm_scale, indices.shape[-1]) if check else None
     kv_flag = None if lse_bound is None else flags[KV_SUSPECT_SLOT : KV_SUSPECT_SLOT + 1]
     out, lse, saved = _forward(backend, q, kv, indices, sm_scale, d_v, flags[0:1] if defer_index_check else None,
                                kv_flag)
@@ -478,13 +474,9 @@ def _device_repair_event(kind: str, backend, inputs: dict, recompute_bad, n_rows
 
 def _backward(backend, q, saved, out, lse, grad_out, sm_scale, d_v, flags):
     """-> (dq, dkv) with flags[1] set when either is nonfinite (``flags`` None: no check)."""
-    if hasattr(backend, "forward_saving"):
-        own = flags is not None and getattr(backend, "reports_nonfinite", False)
-        dq, dkv = backend.backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v,
-                                         **({"nonfinite_flag": flags[1:2]} if own else {}))
-    else:
-        own = False
-        dq, dkv = backend.backward(q, *saved, out, lse, grad_out, sm_scale, d_v)
+    own = flags is not None and backend.reports_nonfinite
+    dq, dkv = backend.backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v,
+                                     **({"nonfinite_flag": flags[1:2]} if own else {}))
     if flags is not None and not own:
         _flag_nonfinite(flags, 1, dq, dkv)
     return dq, dkv
@@ -501,8 +493,7 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
         from .row_repair import repair_backward_rows
 
         dq, dkv = dq.contiguous(), dkv.contiguous()
-        kv_v, idx_v = (backend.padded_views(saved, topk) if hasattr(backend, "padded_views")
-                       else originals(backend, saved, topk))
+        kv_v, idx_v = backend.padded_views(saved, topk)
         repair_backward_rows(q, kv_v, idx_v, grad_out, sm_scale, d_v, dq, dkv, flags)
         # what a dump needs; out and lse (as large as grad_out) are recomputed if one is due
         call = (backend, q, saved, topk, grad_out, sm_scale, d_v)

@@ -7,6 +7,7 @@ import functools
 
 import torch
 
+from ..backends import Backend
 from ..contract import SparseMLAInputError
 from ..row_groups import group_keys
 from ..triton_helpers import finish_backward, prepare_indices
@@ -48,7 +49,7 @@ def _kernel_lists(saved: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.
     return keys.shape[-1] // padded_topk(idx.shape[-1]), keys, members, group_extent
 
 
-class TileLangBackend:
+class TileLangBackend(Backend):
     """Fixed TileLang kernels; bf16, CUDA sm_90."""
 
     name = "tilelang"
@@ -110,7 +111,7 @@ class TileLangBackend:
         # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
         self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
 
-    def deterministic_variant(self) -> "TileLangBackend":
+    def deterministic_variant(self, device: torch.device | None = None) -> "TileLangBackend":
         """The same kernels (every setting kept) with a backward whose dq/dkv are bitwise reproducible."""
         variant = copy.copy(self)
         variant.deterministic = True
