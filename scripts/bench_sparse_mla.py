@@ -56,8 +56,9 @@ def make_impls(has_mcore):
         from glm5_dsa_plugin.ops.backends import register_backend
         from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
-        register_backend("tilelang_classic", lambda: TileLangBackend(fwd_warp_specialized=False,
-                                                                      bwd_warp_specialized=False),
+        register_backend("tilelang_classic",
+                         lambda: TileLangBackend()._with_choices(fwd_warp_specialized=False,
+                                                                 bwd_warp_specialized=False),
                          replace=True)
         register_backend("tilelang_r1", lambda: TileLangBackend(row_groups=False), replace=True)
         impls["ours_classic"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_classic")
@@ -84,7 +85,6 @@ def prebuild(impls, heads, extras=True):
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
     from glm5_dsa_plugin.ops.tilelang.plan import AUTO_BUCKETS_64
 
-
     def run(job):
         try:
             build(*job)
@@ -102,7 +102,7 @@ def prebuild(impls, heads, extras=True):
         if name == "deterministic":
             out = sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang", deterministic=True)[0]
         elif name == "unsafe":  # the fix-cost rows' kernels
-            be = TileLangBackend(safe=False)
+            be = TileLangBackend()._with_choices(safe=False)
             o, l = be.forward(q[None].detach(), kv[None].detach(), idx[None], SCALE, D_V)
             be.backward(q[None].detach(), kv[None].detach(), idx[None], o, l, torch.ones_like(o), SCALE, D_V)
             return
@@ -127,9 +127,9 @@ def fix_cost(gen, idx, T, T_kv, H=64):
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     out = {}
-    for label, be in (("default", TileLangBackend()), ("safe=True", TileLangBackend(fwd_warp_specialized=False,
-                                                                                     bwd_warp_specialized=False)),
-                      ("safe=False", TileLangBackend(safe=False))):
+    classic = TileLangBackend()._with_choices(fwd_warp_specialized=False, bwd_warp_specialized=False)
+    for label, be in (("default", TileLangBackend()), ("safe=True", classic),
+                      ("safe=False", TileLangBackend()._with_choices(safe=False))):
         q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
         kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(1, T, H, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -43,9 +43,9 @@ T = 4096
 w2 = w2_indices(T, 2048, torch.Generator(device="cuda").manual_seed(0))[None]
 w1 = w1_indices(T, 8192, 2048, torch.Generator(device="cuda").manual_seed(0))[None]
 variants = {"default (H64 plan from row counts)": TileLangBackend(),
-            "1 launch": TileLangBackend(fwd_buckets=1, fwd_buckets_64=1),
-            "H64 single-stage, 8 buckets": TileLangBackend(fwd_buckets_64=8),
-            "unsafe": TileLangBackend(safe=False, fwd_buckets=1, fwd_buckets_64=1)}
+            "1 launch": TileLangBackend()._with_choices(fwd_buckets=1, fwd_buckets_64=1),
+            "H64 single-stage, 8 buckets": TileLangBackend()._with_choices(fwd_buckets_64=8),
+            "unsafe": TileLangBackend()._with_choices(safe=False, fwd_buckets=1, fwd_buckets_64=1)}
 
 
 def warm(job):  # compile every kernel up front, nvcc runs in parallel

@@ -114,8 +114,8 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
     idx = torch.randint(0, T_kv, (1, T, 1, 512), generator=gen, device="cuda", dtype=torch.int32)
     g = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     # the same (single-warpgroup) kernels with the fixes compiled in and out
-    safe = TileLangBackend(safe=True, fwd_warp_specialized=False, bwd_warp_specialized=False)
-    raw = TileLangBackend(safe=False)
+    safe = TileLangBackend()._with_choices(safe=True, fwd_warp_specialized=False, bwd_warp_specialized=False)
+    raw = TileLangBackend()._with_choices(safe=False)
     o1, l1 = safe.forward(q, kv, idx, SCALE, 512)
     o2, l2 = raw.forward(q, kv, idx, SCALE, 512)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
@@ -146,8 +146,9 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, T_kv, D, GUARD = 300 if R == 1 else 301, 257, 576, 1 << 16
-    be = TileLangBackend(fwd_buckets_64=buckets_64)
-    plan = forward_launches(H, K // 64, be.fwd_buckets, be.fwd_buckets_64) if R == 1 else [(0, R * K // 64, 1)]
+    be = TileLangBackend()._with_choices(fwd_buckets_64=buckets_64)
+    c = be._choices
+    plan = forward_launches(H, K // 64, c.fwd_buckets, c.fwd_buckets_64) if R == 1 else [(0, R * K // 64, 1)]
     assert len(plan) == (buckets_64 if H == 64 else 4 if R == 1 else 1)
 
     def guarded(shape, dtype, fill=None):
@@ -220,6 +221,14 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     assert rel_l2(out, r_out) < 3e-3 and rel_l2(dq, r_dq) < 3e-3 and rel_l2(dkv[:, :T_kv], r_dkv) < 3e-3
 
 
+def _tilelang(**options):
+    """A TileLangBackend with the user settings among ``options`` and the rest as kernel choices."""
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+
+    user = {k: options.pop(k) for k in ("deterministic", "row_groups", "slot_buffer_bytes") if k in options}
+    return TileLangBackend(**user)._with_choices(**options)
+
+
 @pytest.mark.parametrize("H,topk,options,caller", [
     (64, 256, {}, True),  # one row per block, topk a multiple of 64
     (64, 200, {}, False),  # one row per block, topk padded: the backward reads the padded copy
@@ -240,7 +249,7 @@ def test_backward_keeps_the_callers_indices(H, topk, options, caller):
     idx = torch.randint(-1, T_kv, (1, T, 1, topk), generator=gen, device="cuda", dtype=torch.int32)
     idx[0, :, 0, :3] = torch.tensor([T_kv, -5, 2**31 - 1], device="cuda", dtype=torch.int32)  # rejected
     idx[0, 7] = -1
-    be = TileLangBackend(**options)
+    be = _tilelang(**options)
     out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)
     assert (saved[1].data_ptr() == idx.data_ptr()) == caller
     dq, dkv = be.backward_saved(q, saved, out, lse, g, SCALE, 512)
@@ -294,7 +303,7 @@ def test_nonfinite_inputs_come_out_nonfinite(H, options):
     q[0, 77, H // 2, 100] = float("nan")
     kv[0, int(idx[0, 150, 0, 0]), 0, 5] = 1.0  # so that q[150, 1, 5] = +inf gives a +inf score
     q[0, 150, 1, 5] = float("inf")
-    be = TileLangBackend(**options)
+    be = _tilelang(**options)
     out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)  # as the op runs it: both directions
     dq, dkv = be.backward_saved(q, saved, out, lse, grad, SCALE, 512)  # on the same row groups
     r_out, r_lse = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
@@ -333,7 +342,7 @@ def test_backward_flags_exactly_its_nonfinite_outputs(H, options, case):
         q[0, 60, 0, 7], q[0, 60, 1, 7] = -1.0, 1.0  # head 0: score -inf (lse finite); head 1: +inf
     elif case == "nan_grad":
         grad[0, 200, H - 1, 3] = float("nan")
-    be = TileLangBackend(**options)
+    be = _tilelang(**options)
     flags = torch.zeros(1, dtype=torch.int32, device="cuda")
     out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)
     dq, dkv = be.backward_saved(q, saved, out, lse, grad, SCALE, 512, nonfinite_flag=flags)
@@ -393,7 +402,7 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
         q[0, row, h, 512:528] = -128.0
     elif case != "clean":
         planted[case]()
-    be = TileLangBackend(**options)
+    be = _tilelang(**options)
     flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
     out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512, kv_flag=flags[KV_SUSPECT_SLOT:KV_SUSPECT_SLOT + 1])
     full = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
@@ -487,7 +496,7 @@ def test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels(H, options
     idx[0, (77, 100), :, :64] = -1
     idx[0, 101, :, :128] = -1
     idx[0, 9] = -1
-    out, lse, _ = TileLangBackend(**options).forward_saving(q, kv, idx, SCALE, 512)
+    out, lse, _ = _tilelang(**options).forward_saving(q, kv, idx, SCALE, 512)
     r_out, r_lse = ref.forward(q.double(), kv.double(), idx, SCALE, 512)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     for row in far:
@@ -771,7 +780,8 @@ def test_forward_plan_auto_for_64_row_tiles():
     q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(1, T, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
     idx = w2_indices(T, topk, gen)[None]
-    be = TileLangBackend(fwd_buckets_64="auto", fwd_warp_specialized=False)  # (the plan of the classic forward)
+    # (the plan of the classic forward)
+    be = TileLangBackend()._with_choices(fwd_buckets_64="auto", fwd_warp_specialized=False)
     o1, l1 = be.forward(q, kv, idx, SCALE, 512)
     torch.cuda.synchronize()
     (last,) = be._block_counts.values()

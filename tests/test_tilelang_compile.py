@@ -52,15 +52,15 @@ def test_every_forward_launch_fits_in_shared_memory(hg, buckets_64):
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
     from glm5_dsa_plugin.ops.tilelang.plan import forward_launches, padded_heads_per_group
 
-    be = TileLangBackend(fwd_buckets_64=buckets_64)
-    hg_pad = padded_heads_per_group(hg, be.fwd_min_heads)
-    block = be.fwd_block_16 if hg_pad == 16 else 64
+    be = TileLangBackend()._with_choices(fwd_buckets_64=buckets_64)
+    hg_pad = padded_heads_per_group(hg, be._choices.fwd_min_heads)
+    block = be._choices.fwd_block_16 if hg_pad == 16 else 64
     n_blocks = 2048 // block
-    plan = forward_launches(hg_pad, n_blocks, be.fwd_buckets, be.fwd_buckets_64)
+    plan = forward_launches(hg_pad, n_blocks, be._choices.fwd_buckets, be._choices.fwd_buckets_64)
     assert (len(plan) > 1) == (hg_pad < 64 or buckets_64 > 1)  # where tail skipping fits
     assert all(stages == (1 if hg_pad >= 64 and buckets_64 > 1 else 2) for _, _, stages in plan)
     # the backend's own builder (several launches: built in parallel threads)
-    kernels = be.forward_kernels(hg_pad, 512, 64, 2048, 1, 256**-0.5, hg_pad, be.fwd_buckets_64, target=SM90)
+    kernels = be.forward_kernels(hg_pad, 512, 64, 2048, 1, 256**-0.5, hg_pad, be._choices.fwd_buckets_64, target=SM90)
     assert len(kernels) == len(plan)
     for (lo, hi, stages), k in zip(plan, kernels):
         assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM, (hg, lo, hi, _requested_dyn_smem(k))
@@ -423,11 +423,11 @@ def test_warp_specialized_backward_choice():
     cases = [(64, False), (128, False), (32, False), (16, False), (8, True), (16, True)]
     chosen = [TileLangBackend()._warp_specialized(h, rg, backward=True) for h, rg in cases]
     assert chosen == [True, True, False, False, True, True]
-    for be in (TileLangBackend(bwd_warp_specialized=False), TileLangBackend(deterministic=True),
-               TileLangBackend(safe=False)):
+    for be in (TileLangBackend()._with_choices(bwd_warp_specialized=False), TileLangBackend(deterministic=True),
+               TileLangBackend()._with_choices(safe=False)):
         assert not any(be._warp_specialized(h, rg, backward=True) for h, rg in cases)
     with pytest.raises(ValueError, match="bwd_warp_specialized"):
-        TileLangBackend(bwd_warp_specialized=1)
+        TileLangBackend()._with_choices(bwd_warp_specialized=1)
 
 
 def test_warp_specialized_forward_choice():
@@ -438,10 +438,11 @@ def test_warp_specialized_forward_choice():
 
     cases = [(64, False), (128, False), (32, False), (16, False), (8, True), (16, True)]
     assert [TileLangBackend()._warp_specialized(h, rg) for h, rg in cases] == [True, True, False, False, True, True]
-    assert not any(TileLangBackend(fwd_warp_specialized=False)._warp_specialized(h, rg) for h, rg in cases)
-    assert not TileLangBackend(safe=False)._warp_specialized(64, False)
+    classic = TileLangBackend()._with_choices(fwd_warp_specialized=False)
+    assert not any(classic._warp_specialized(h, rg) for h, rg in cases)
+    assert not TileLangBackend()._with_choices(safe=False)._warp_specialized(64, False)
     with pytest.raises(ValueError, match="fwd_warp_specialized"):
-        TileLangBackend(fwd_warp_specialized="auto")
+        TileLangBackend()._with_choices(fwd_warp_specialized="auto")
 
 
 def test_warp_specialized_forward_has_no_bucket_plan():
@@ -450,8 +451,9 @@ def test_warp_specialized_forward_has_no_bucket_plan():
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     idx = torch.zeros(1, 8, 1, 2048, dtype=torch.int32)
-    assert TileLangBackend(fwd_buckets_64=8)._plan_64(idx, 64, 32, "cpu") == (1, None, None)
-    assert TileLangBackend(fwd_buckets_64=8, fwd_warp_specialized=False)._plan_64(idx, 64, 32, "cpu") == (8, None, None)
+    assert TileLangBackend()._with_choices(fwd_buckets_64=8)._plan_64(idx, 64, 32, "cpu") == (1, None, None)
+    classic = TileLangBackend()._with_choices(fwd_buckets_64=8, fwd_warp_specialized=False)
+    assert classic._plan_64(idx, 64, 32, "cpu") == (8, None, None)
 
 
 def test_each_kernel_is_built_once_when_threads_ask_together():

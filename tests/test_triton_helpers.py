@@ -304,7 +304,6 @@ def test_cheaper_buckets_64_follows_the_rows():
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
     from glm5_dsa_plugin.ops.tilelang.plan import cheaper_buckets_64
 
-
     n = 32
     w2 = [0] * (n + 1)
     for t in range(4096):
@@ -314,7 +313,7 @@ def test_cheaper_buckets_64_follows_the_rows():
     assert cheaper_buckets_64([4000] + [0] * (n - 1) + [96], n, 8) == 8
     assert cheaper_buckets_64([0] * (n + 1), n, 8) == 1  # no rows: nothing to gain
     with pytest.raises(ValueError, match="fwd_buckets_64"):
-        TileLangBackend(fwd_buckets_64="sometimes")
+        TileLangBackend()._with_choices(fwd_buckets_64="sometimes")
 
 
 def test_forward_launch_plans():
@@ -342,16 +341,20 @@ def test_row_group_geometry_and_choice():
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
     from glm5_dsa_plugin.ops.tilelang.plan import REPROBE_CALLS, RowGroupChoice
 
-
     be = TileLangBackend()
     assert [be.rows_per_block(hg) for hg in (4, 8, 12, 16, 32, 64, 128)] == \
         [(8, 8), (8, 8), (16, 4), (16, 4), (32, 2), (64, 1), (128, 1)]
     assert be.deterministic_variant().rows_per_block(8) == (8, 8)
-    for off in (TileLangBackend(row_groups=False), TileLangBackend(bwd_warp_specialized=False).deterministic_variant(),
-                TileLangBackend(safe=False)):
+    for off in (TileLangBackend(row_groups=False),
+                TileLangBackend()._with_choices(bwd_warp_specialized=False).deterministic_variant(),
+                TileLangBackend()._with_choices(safe=False)):
         assert off.rows_per_block(8) == (16, 1)
     with pytest.raises(ValueError, match="row_groups"):
         TileLangBackend(row_groups="sometimes")
+    with pytest.raises(ValueError, match="slot_buffer_bytes"):
+        TileLangBackend(slot_buffer_bytes=0)
+    with pytest.raises(TypeError):
+        TileLangBackend(safe=False)  # a kernel choice, not a constructor setting
 
     choice = RowGroupChoice()
     arrivals = iter([None, [100, 1000], None])  # counts of W2-like sharing arrive on the 2nd call
@@ -370,8 +373,8 @@ def test_row_group_geometry_and_choice():
 def test_deterministic_variant_keeps_every_setting():
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
-    be = TileLangBackend(fwd_min_heads=32, fwd_buckets=2, fwd_buckets_64=8, fwd_block_16=32, fwd_select_in_kernel=True,
-                         slot_buffer_bytes=1 << 20)
+    be = TileLangBackend(slot_buffer_bytes=1 << 20)._with_choices(fwd_min_heads=32, fwd_buckets=2, fwd_buckets_64=8,
+                                                                   fwd_block_16=32, fwd_select_in_kernel=True)
     det = be.deterministic_variant()
     assert det.deterministic and not be.deterministic
     assert {k: v for k, v in vars(det).items() if k != "deterministic"} == \

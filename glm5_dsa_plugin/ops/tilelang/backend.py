@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import torch
@@ -49,6 +50,49 @@ def _kernel_lists(saved: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.
     return keys.shape[-1] // padded_topk(idx.shape[-1]), keys, members, group_extent
 
 
+@dataclasses.dataclass(frozen=True)
+class _KernelChoices:
+    """Which kernels and launch shapes the backend runs. The defaults are what it ships with
+    (docs/kernels.md gives the measurements behind them); the other values exist for benchmarks
+    and tests that compare the variants (``TileLangBackend._with_choices``)."""
+
+    #: kernels memory-safe for any index (sentinel kv row, rewritten indices); False runs the raw
+    #: kernels, to measure what that safety costs, and turns off everything built on it
+    safe: bool = True
+    #: smallest head tile of the one-row forward (heads per kv group are zero-padded up to it)
+    fwd_min_heads: int = FWD_MIN_HEADS
+    #: threads and slots per block of the forward on 16-row head tiles
+    fwd_threads_16: int = 256
+    fwd_block_16: int = 64
+    #: the single-warpgroup forward also maps invalid slots to the sentinel row itself (False:
+    #: it trusts ``prepare_indices``' rewrite)
+    fwd_select_in_kernel: bool = False
+    #: forward launches per call on 16/32-row tiles, by slot blocks needed (1: no tail skipping)
+    fwd_buckets: int = 4
+    #: the same for 64-row tiles, single-stage (``plan.forward_launches``; 1: one two-stage launch;
+    #: "auto": per call from the rows' block counts of the last call of that shape)
+    fwd_buckets_64: int | str = "auto"
+    #: the warp-specialised forward for every 64-row tile (>= 64 heads per kv group, row groups)
+    fwd_warp_specialized: bool = True
+    #: the warp-specialised backward for every 64-row tile with atomic dKV
+    bwd_warp_specialized: bool = True
+    #: deterministic mode's row chunks as whole waves of the warp-specialised kernel
+    #: (``plan.whole_waves``; False: as many rows as ``slot_buffer_bytes`` allows)
+    chunk_whole_waves: bool = True
+    #: row groups' deterministic slot buffer holds the longest list per group (one host read per
+    #: call; False: the full R * topk width)
+    compact_group_slots: bool = True
+
+    def __post_init__(self):
+        if self.fwd_block_16 not in (32, 64):
+            raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
+        if self.fwd_buckets_64 != "auto" and not (isinstance(self.fwd_buckets_64, int) and self.fwd_buckets_64 >= 1):
+            raise ValueError(f"fwd_buckets_64: an int >= 1 or 'auto', got {self.fwd_buckets_64!r}")
+        for f in dataclasses.fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name}: True or False, got {getattr(self, f.name)!r}")
+
+
 class TileLangBackend(Backend):
     """Fixed TileLang kernels; bf16, CUDA sm_90."""
 
@@ -57,59 +101,37 @@ class TileLangBackend(Backend):
     # kernel's registers (else in the dKV conversion pass), dKV in the pass that converts it
     reports_nonfinite = True
 
-    def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
-                 fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = "auto",
-                 row_groups: bool | str = "auto", fwd_warp_specialized: bool = True,
-                 bwd_warp_specialized: bool = True):
-        if fwd_block_16 not in (32, 64):
-            raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
-        if fwd_buckets_64 != "auto" and not (isinstance(fwd_buckets_64, int) and fwd_buckets_64 >= 1):
-            raise ValueError(f"fwd_buckets_64: an int >= 1 or 'auto', got {fwd_buckets_64!r}")
-        if row_groups not in (True, False, "auto"):
+    def __init__(self, deterministic: bool = False, row_groups: bool | str = "auto",
+                 slot_buffer_bytes: int = 2 << 30):
+        """``deterministic``: dq / dkv bitwise reproducible (dKV from per-slot contributions
+        reduced per kv row in a fixed order instead of fp32 atomics), query rows processed in
+        chunks whose slot buffer stays under ``slot_buffer_bytes``. ``row_groups`` (fewer than 64
+        heads per kv group): blocks of R = 64 / hg consecutive query rows over the union of their
+        keys: True, False, or "auto" (per shape, from the last counted call's group entries vs
+        slots, see ``plan.RowGroupChoice``)."""
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic: True or False, got {deterministic!r}")
+        if not (isinstance(row_groups, bool) or row_groups == "auto"):
             raise ValueError(f"row_groups: True, False or 'auto', got {row_groups!r}")
-        for flag, value in (("fwd_warp_specialized", fwd_warp_specialized),
-                            ("bwd_warp_specialized", bwd_warp_specialized)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag}: True or False, got {value!r}")
-        self.safe = safe
-        # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
-        # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
-        # log in benchmarks/results), or select in the kernel too
-        self.fwd_select_in_kernel = fwd_select_in_kernel
-        # forward launches per call, by slot blocks needed (skips pure-padding tails; 1 = no skipping)
-        self.fwd_buckets = fwd_buckets
-        # the same for 64-row head tiles, single-stage (see forward_launches; 1 = one two-stage
-        # launch; "auto": per call from the rows' block counts of the last call of that shape)
-        self.fwd_buckets_64 = fwd_buckets_64
+        if not isinstance(slot_buffer_bytes, int) or isinstance(slot_buffer_bytes, bool) or slot_buffer_bytes < 1:
+            raise ValueError(f"slot_buffer_bytes: an int >= 1, got {slot_buffer_bytes!r}")
+        self.deterministic, self.row_groups, self.slot_buffer_bytes = deterministic, row_groups, slot_buffer_bytes
+        self._choices = _KernelChoices()
+        self._new_caches()
+
+    def _new_caches(self) -> None:
         self._block_counts: dict[tuple, BlockCountsOfLastCall] = {}
+        self._row_group_choice: dict[tuple, RowGroupChoice] = {}
         self._scratch_flags: dict[torch.device, torch.Tensor] = {}
         self._built_plans: set[tuple] = set()  # forward plans whose kernels were built (forward_kernels)
-        # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
-        # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
-        self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
-        self.fwd_min_heads = fwd_min_heads
-        # fewer than 64 heads per kv group: blocks of R = 64 / hg consecutive query rows over the
-        # union of their keys (``row_groups``: always, never, or "auto": per shape, from the last
-        # counted call's entries vs slots, see RowGroupChoice); not with safe=False, nor in
-        # deterministic mode without the warp-specialised backward (its per-entry dKV stores)
-        self.row_groups = row_groups
-        self._row_group_choice: dict[tuple, RowGroupChoice] = {}
-        # the warp-specialised forward (``sparse_mla_fwd_ws_kernel``: gathers in flight while two
-        # MMA warpgroups split each pair of blocks evenly, one launch whose loop stops at each row's
-        # last block) for every 64-row tile (>= 64 heads per kv group, and row groups); False: the
-        # single-warpgroup kernel. Same run (v17b): the backend's forward at W1 H64 2.29 vs 3.79 ms;
-        # through the op W2 H64 2.30 vs 4.24, row groups W2 H8 1.18 vs 1.50, H16 1.24 vs 2.09 (a
-        # forward-only call at small H is mostly host time; fwd+bwd below)
-        self.fwd_warp_specialized = fwd_warp_specialized
-        # the warp-specialised backward (``sparse_mla_bwd_ws_kernel``: a third warpgroup gathers the
-        # next block and drains the dKV atomics while the MMAs run) for every 64-row tile with
-        # atomic dKV; False: ``sparse_mla_bwd_kernel``. Backward through the backend, same run (v17b):
-        # W1 H64 10.61 vs 15.89 ms; whole op fwd+bwd against both kernels single-warpgroup (v17b):
-        # W2 H64 9.94 vs 15.62, H16 (row groups) 3.53 vs 5.56, H8 2.30 vs 3.00
-        self.bwd_warp_specialized = bwd_warp_specialized
-        # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
-        self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
+
+    def _with_choices(self, **changes) -> "TileLangBackend":
+        """A copy of this backend with other kernel choices (``_KernelChoices``' fields), for
+        benchmarks and tests that compare the kernels' variants."""
+        variant = copy.copy(self)
+        variant._choices = dataclasses.replace(self._choices, **changes)
+        variant._new_caches()
+        return variant
 
     def deterministic_variant(self, device: torch.device | None = None) -> "TileLangBackend":
         """The same kernels (every setting kept) with a backward whose dq/dkv are bitwise reproducible."""
@@ -120,7 +142,7 @@ class TileLangBackend(Backend):
     @property
     def memory_safe_on_any_index(self) -> bool:
         """True when no index value can make the kernels touch memory out of bounds (``safe`` mode)."""
-        return self.safe
+        return self._choices.safe
 
     def finite_out_lse_bound(self, sm_scale: float, topk: int) -> float | None:
         """For the guard's forward check (``triton_helpers.check_forward``): a bound B such that a
@@ -146,7 +168,7 @@ class TileLangBackend(Backend):
         row with a valid slot; such a row now comes out right, with |lse| > 2^30 * sm_scale -
         ln(topk) > B, and the guard still recomputes it.) Session 21's GPU tests compare the
         check with a full scan over poisoned and extreme q and kv."""
-        if not self.safe or topk >= 2**20:
+        if not self._choices.safe or topk >= 2**20:
             return None
         return min(2.0**29 * float(sm_scale), 2.0**26)
 
@@ -183,7 +205,7 @@ class TileLangBackend(Backend):
         :meth:`finite_out_lse_bound`.
         With ``safe=False`` (fix-cost measurement only): raw kv, -1 padding, full extent."""
         k_pad = padded_topk(indices.shape[-1])
-        if self.safe:
+        if self._choices.safe:
             idx, extent, kv_k = prepare_indices(indices, kv.shape[1], k_pad, index_flag, kv=kv,
                                                 block_counts=block_counts, block=block, rewrite=rewrite,
                                                 kv_flag=kv_flag)
@@ -197,14 +219,14 @@ class TileLangBackend(Backend):
         """(kv, indices) back from :meth:`save`'s tensors (the guard's reference repair); slots the
         rewrite sent to the sentinel read as -1 (the same as the kernels treat them)."""
         kv, idx = self.padded_views(saved, topk)
-        return (kv, torch.where(idx == kv.shape[1], -1, idx)) if self.safe else (kv, idx)
+        return (kv, torch.where(idx == kv.shape[1], -1, idx)) if self._choices.safe else (kv, idx)
 
     def padded_views(self, saved, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, indices) as views of :meth:`save`'s tensors, no copy and no launch: a slot is valid
         iff 0 <= index < T_kv (the rewrite's sentinel T_kv reads as padding, like -1). What the
         guard's device-side repair reads (``row_repair``)."""
         kv_k, idx = saved[:2]
-        if not self.safe:
+        if not self._choices.safe:
             return kv_k, idx[..., :topk]
         return kv_k[:, : kv_k.shape[1] - 1], idx[..., :topk]
 
@@ -217,9 +239,9 @@ class TileLangBackend(Backend):
         """(padded heads per group, R) of the row-group kernels: R > 1 consecutive query rows share a
         block when hg < 64 and ``row_groups`` is on (hg padded to 8, 16 or 32; R * hg_pad = 64,
         see ``row_groups.group_keys``), else R = 1 (one-row blocks)."""
-        if (not self.row_groups or hg >= 64 or not self.safe
-                or (self.deterministic and not self.bwd_warp_specialized)):
-            return padded_heads_per_group(hg, self.fwd_min_heads), 1
+        if (not self.row_groups or hg >= 64 or not self._choices.safe
+                or (self.deterministic and not self._choices.bwd_warp_specialized)):
+            return padded_heads_per_group(hg, self._choices.fwd_min_heads), 1
         hg_pad = padded_heads_per_group(hg, 8)
         return hg_pad, 64 // hg_pad
 
@@ -263,7 +285,7 @@ class TileLangBackend(Backend):
         G, hg = kv.shape[2], q.shape[2] // kv.shape[2]
         group_heads, group_rows = self.rows_per_block(hg)
         use_groups, count_into = self._choose_row_groups(indices) if group_rows > 1 else (False, None)
-        hg_pad = group_heads if use_groups else padded_heads_per_group(hg, self.fwd_min_heads)
+        hg_pad = group_heads if use_groups else padded_heads_per_group(hg, self._choices.fwd_min_heads)
         block = self._fwd_block(hg_pad)
         n_blocks = padded_topk(indices.shape[-1]) // block
         ws = self._warp_specialized(hg_pad, use_groups)
@@ -303,21 +325,22 @@ class TileLangBackend(Backend):
         guard's). Not with topk short of a multiple of 64 (one-row kernels read the padded
         width), the deterministic backward (its per-key sums need the sentinel) or
         ``safe=False``; and only int32 contiguous indices (what the kernels take)."""
-        return (self.safe and not self.deterministic and indices.dtype == torch.int32 and indices.is_contiguous()
-                and (row_groups or indices.shape[-1] == padded_topk(indices.shape[-1])))
+        return (self._choices.safe and not self.deterministic and indices.dtype == torch.int32
+                and indices.is_contiguous() and (row_groups or indices.shape[-1] == padded_topk(indices.shape[-1])))
 
     def _warp_specialized(self, hg_pad: int, row_groups: bool, backward: bool = False) -> bool:
         """Whether this direction runs its warp-specialised kernel (``sparse_mla_fwd_ws_kernel`` /
         ``sparse_mla_bwd_ws_kernel``) with atomic dKV: 64-row tiles (>= 64 heads per group, or row
         groups), safe mode, its flag on; not in deterministic mode (whose per-slot variant
         ``_backward_deterministic`` chooses)."""
-        flag = self.bwd_warp_specialized and not self.deterministic if backward else self.fwd_warp_specialized
-        return self.safe and flag and (row_groups or hg_pad >= 64)
+        c = self._choices
+        flag = c.bwd_warp_specialized and not self.deterministic if backward else c.fwd_warp_specialized
+        return self._choices.safe and flag and (row_groups or hg_pad >= 64)
 
     def _fwd_block(self, hg_pad: int) -> int:
         """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``
         (row groups always run ``BLOCK_TOPK``; their plan needs no block count)."""
-        return self.fwd_block_16 if hg_pad == 16 else BLOCK_TOPK
+        return self._choices.fwd_block_16 if hg_pad == 16 else BLOCK_TOPK
 
     def forward_kernels(self, Hp: int, d_v: int, d_tail: int, k_pad: int, G: int, sm_scale: float, hg_pad: int,
                         buckets_64: int, target: str | None = None, rows_per_block: int = 1,
@@ -336,20 +359,20 @@ class TileLangBackend(Backend):
             return [sparse_mla_fwd_ws_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), rows_per_block=rows_per_block,
                                              **to)]
         if rows_per_block > 1:
-            return [sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self.safe, num_stages=1,
-                                          select_in_kernel=self.fwd_select_in_kernel, rows_per_block=rows_per_block,
-                                          **to)]
+            return [sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self._choices.safe, num_stages=1,
+                                          select_in_kernel=self._choices.fwd_select_in_kernel,
+                                          rows_per_block=rows_per_block, **to)]
         small = hg_pad == 16
         block = self._fwd_block(hg_pad)
         n_blocks = k_pad // block
-        plan = forward_launches(hg_pad, n_blocks, self.fwd_buckets, buckets_64)
+        plan = forward_launches(hg_pad, n_blocks, self._choices.fwd_buckets, buckets_64)
 
         def build(launch):
             lo, hi, stages = launch
-            return sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self.safe,
+            return sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self._choices.safe,
                                          block_i=block, num_stages=stages,
-                                         threads=self.fwd_threads_16 if small else 256,
-                                         select_in_kernel=self.fwd_select_in_kernel,
+                                         threads=self._choices.fwd_threads_16 if small else 256,
+                                         select_in_kernel=self._choices.fwd_select_in_kernel,
                                          blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi), **to)
 
         key = (Hp, d_v, d_tail, k_pad, G, float(sm_scale), hg_pad, buckets_64, target)
@@ -370,9 +393,9 @@ class TileLangBackend(Backend):
         plan: one launch whose loop stops at each row's last block)."""
         if self._warp_specialized(hg_pad, row_groups=False):
             return 1, None, None
-        if self.fwd_buckets_64 != "auto":
-            return self.fwd_buckets_64, None, None
-        if (hg_pad < 64 or n_blocks < 8 or indices.shape[1] == 0 or not self.safe
+        if self._choices.fwd_buckets_64 != "auto":
+            return self._choices.fwd_buckets_64, None, None
+        if (hg_pad < 64 or n_blocks < 8 or indices.shape[1] == 0 or not self._choices.safe
                 or torch.cuda.is_current_stream_capturing()):
             return 1, None, None
         key = (tuple(indices.shape), n_blocks)
@@ -393,7 +416,7 @@ class TileLangBackend(Backend):
 
         self._check(q, saved[0], d_v)
         kv_k, idx, extent = saved[:3]
-        n_kv = kv_k.shape[1] - 1 if self.safe else kv_k.shape[1]
+        n_kv = kv_k.shape[1] - 1 if self._choices.safe else kv_k.shape[1]
         R, keys, members, ext = _kernel_lists(saved)
         G, hg, hg_pad = self._geometry(q, kv_k, BWD_MIN_HEADS)
         if R > 1:  # the forward ran row groups: R rows of 64 / R (padded) heads per block
@@ -414,7 +437,7 @@ class TileLangBackend(Backend):
             if ws:
                 kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), rows_per_block=R)
             else:
-                kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), self.safe,
+                kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), self._choices.safe,
                                                **({"rows_per_block": R} if R > 1 else {}))
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
@@ -424,13 +447,6 @@ class TileLangBackend(Backend):
             dq_checked = ws and T > 0
         dq = unpad_heads(dq, G, hg, hg_pad)
         return dq, finish_backward(dkv, n_kv, kv_k.dtype, None if dq_checked else dq, nonfinite_flag)
-
-    # deterministic mode's row chunks as whole waves of the warp-specialised kernel (see
-    # whole_waves; False: as many rows as slot_buffer_bytes allows)
-    chunk_whole_waves = True
-    # row groups' slot buffer holds the longest list per group (one host read per call; False: the
-    # full R * topk width, as v29)
-    compact_group_slots = True
 
     def _backward_deterministic(self, qp, kv_k, dop, lists, lsep, outp, G, hg_pad, sm_scale, d_v,
                                 nonfinite_flag=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -447,19 +463,20 @@ class TileLangBackend(Backend):
         from .bwd import sparse_mla_bwd_kernel
         from .bwd_ws import sparse_mla_bwd_ws_kernel
 
-        if not self.safe:
+        if not self._choices.safe:
             raise ValueError("deterministic mode needs safe=True (host-rewritten indices)")
         R, keys, members, ext = lists
         B, T, Hp, Dqk = qp.shape
         K, n_kv = keys.shape[-1], kv_k.shape[1] - 1  # K: slots per block's list (R * padded topk)
         h_blk, nh = row_group_geometry(hg_pad, R)
-        ws = self.bwd_warp_specialized and h_blk >= 64  # (safe mode checked above)
+        ws = self._choices.bwd_warp_specialized and h_blk >= 64  # (safe mode checked above)
         if ws:
             kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, K // R, G, float(sm_scale), rows_per_block=R,
                                               dkv_per_slot=True)
             flag = (self._ws_backward_flag(qp.device, nonfinite_flag),)
         elif R == 1:
-            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), self.safe, dkv_per_slot=True)
+            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), self._choices.safe,
+                                           dkv_per_slot=True)
             flag = ()
         else:  # (rows_per_block keeps row groups off in deterministic mode without the ws backward)
             raise ValueError("deterministic row groups need the warp-specialised backward")
@@ -467,7 +484,7 @@ class TileLangBackend(Backend):
         n_rows = B * kv_k.shape[1] * G
         dkv = torch.zeros(n_rows, Dqk, dtype=torch.float32, device=qp.device)
         n_blocks = keys.shape[1]  # query rows (R = 1) or groups of R rows
-        if (R > 1 and n_blocks > 0 and self.compact_group_slots
+        if (R > 1 and n_blocks > 0 and self._choices.compact_group_slots
                 and not (qp.is_cuda and torch.cuda.is_current_stream_capturing())):
             # a group's list holds R * topk slots, mostly padding (W2 H8: about 2050 of 16384 used):
             # the slot buffer keeps only the longest list's extent per group, read here (one host
@@ -479,7 +496,7 @@ class TileLangBackend(Backend):
         per_block = B * G * nh * KS * Dqk * 4
         blocks = max(1, self.slot_buffer_bytes // per_block)
         dev = qp.device
-        if ws and self.chunk_whole_waves:
+        if ws and self._choices.chunk_whole_waves:
             blocks = whole_waves(blocks, B * G * nh, torch.cuda.get_device_properties(dev).multi_processor_count)
         key_dtype = torch.int32 if n_rows < 2**31 else torch.int64  # (int32: the sort's radix passes halve)
         b_off = (torch.arange(B, device=dev, dtype=key_dtype) * kv_k.shape[1]).view(B, 1, 1, 1)

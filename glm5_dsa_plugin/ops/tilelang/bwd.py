@@ -8,7 +8,8 @@ from tilelang import language as T
 from ..contract import LOG2E
 from .compile import PASS_CONFIGS, built_once
 from .shapes import bwd_block_slots, row_group_geometry
-from .tiles import DELTA_COLS, gather_row, members_dtype, row_delta, row_group_access, slot_blocks, store_rows, valid_slot
+from .tiles import (DELTA_COLS, gather_row, members_dtype, row_delta, row_group_access, slot_blocks, store_rows,
+                    valid_slot)
 
 @T.macro
 def _load_q_do(Q, dO, q_s, qt_s, do_s, b, s, h0, seq_len, load_rows, h_blk, d_v, d_tail):

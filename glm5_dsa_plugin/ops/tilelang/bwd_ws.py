@@ -9,7 +9,8 @@ from tilelang import language as T
 from ..contract import LOG2E
 from .compile import EXPLICIT_FENCES_ATTR, PASS_CONFIGS, built_once
 from .shapes import row_group_geometry
-from .tiles import DELTA_COLS, gather_row, members_dtype, row_delta, row_group_access, slot_blocks, store_rows, valid_slot
+from .tiles import (DELTA_COLS, gather_row, members_dtype, row_delta, row_group_access, slot_blocks, store_rows,
+                    valid_slot)
 
 @T.macro
 def _flag_nonfinite(Flags, acc, h_blk, width):
