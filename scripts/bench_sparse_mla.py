@@ -450,7 +450,7 @@ def main():
         extra["W2_H64_guard_scan_fwd_ms"] = bench(lambda: flag_nonfinite(o_, flags, 1, l_))
         # what the guard runs for the TileLang backend (kv clean: lse read, out rows only if unusual)
         from glm5_dsa_plugin.ops import EMPTY_ROW_LSE
-        from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, KV_SUSPECT_SLOT
+        from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, Flag
         from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
         from glm5_dsa_plugin.ops.triton_helpers import check_forward
 
@@ -458,7 +458,7 @@ def main():
         bound = TileLangBackend().finite_out_lse_bound(SCALE, idx.shape[-1])
         ext_ = (idx >= 0).any(-1).to(torch.int32)  # (as row_extent: > 0 where a row has a valid slot)
         extra["W2_H64_guard_check_fwd_gated_ms"] = bench(
-            lambda: check_forward(o_, l_, gated, 1, KV_SUSPECT_SLOT, bound, EMPTY_ROW_LSE, ext_,
+            lambda: check_forward(o_, l_, gated, Flag.NONFINITE, Flag.KV_SUSPECT, bound, EMPTY_ROW_LSE, ext_,
                                   l_.shape[-1] // ext_.shape[-1]))
         assert gated.tolist() == [0] * FLAG_SLOTS
         dq_, dkv_ = torch.randn_like(q), torch.randn_like(kv)

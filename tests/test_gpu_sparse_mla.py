@@ -138,10 +138,11 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     backward's 32-slot blocks then number 6)."""
     from glm5_dsa_plugin.ops.row_groups import group_keys
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
-    from glm5_dsa_plugin.ops.tilelang.plan import forward_launches
     from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
     from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
-                                                      sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel)
+    from glm5_dsa_plugin.ops.tilelang.fwd import sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd_ws import sparse_mla_fwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.plan import forward_launches
     from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -373,7 +374,7 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
     |m * c| >= 2^27, scores that overflow fp32, kv entries of 2^99 (not suspect) and 2^101. It
     flags more only for doubtful rows (lse beyond the bound, or empty with a valid slot), whose
     lse it sets to NaN, every other lse untouched; in the clean case nothing."""
-    from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, KV_SUSPECT_SLOT
+    from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, Flag
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
     from glm5_dsa_plugin.ops.triton_helpers import check_forward, flag_nonfinite
 
@@ -404,23 +405,24 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
         planted[case]()
     be = _tilelang(**options)
     flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
-    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512, kv_flag=flags[KV_SUSPECT_SLOT:KV_SUSPECT_SLOT + 1])
+    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512, kv_flag=flags[Flag.KV_SUSPECT:Flag.KV_SUSPECT + 1])
     full = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
-    flag_nonfinite(out, full, 1, lse)
+    flag_nonfinite(out, full, Flag.NONFINITE, lse)
     bound, extent = be.finite_out_lse_bound(SCALE, idx.shape[-1]), be.row_extent(saved)
     has_slot = extent.repeat_interleave(H, -1) > 0
     doubtful = ((lse.abs() > bound) & (lse != EMPTY_ROW_LSE)) | ((lse == EMPTY_ROW_LSE) & has_slot)
     before = lse.clone()
-    check_forward(out, lse, flags, 1, KV_SUSPECT_SLOT, bound, EMPTY_ROW_LSE, extent, H)
+    check_forward(out, lse, flags, Flag.NONFINITE, Flag.KV_SUSPECT, bound, EMPTY_ROW_LSE, extent, H)
     suspect, must_flag = GATED_CASES[case]
-    assert int(flags[KV_SUSPECT_SLOT]) == suspect
-    assert int(flags[1]) == int(bool(full[1]) or bool(doubtful.any())), (case, flags.tolist(), full.tolist())
+    assert int(flags[Flag.KV_SUSPECT]) == suspect
+    assert int(flags[Flag.NONFINITE]) == int(bool(full[Flag.NONFINITE]) or bool(doubtful.any())), \
+        (case, flags.tolist(), full.tolist())
     assert torch.isnan(lse[doubtful]).all()
     assert torch.equal(lse[~doubtful].nan_to_num(7.0), before[~doubtful].nan_to_num(7.0))
     if must_flag is not None:
         assert int(full[1]) == must_flag
     if case == "clean":
-        assert not doubtful.any() and int(flags[1]) == 0
+        assert not doubtful.any() and int(flags[Flag.NONFINITE]) == 0
     if case == "scores_below_mask_init":
         assert doubtful[0, row, h]  # lse beyond the bound: recomputed by the guard
 
@@ -619,7 +621,7 @@ def test_a_queued_backward_keeps_its_inputs_not_its_outputs():
     out, lse = sparse_mla(q, kv, idx, SCALE, backend="tilelang")
     out_bytes = out.untyped_storage().nbytes()
     out.backward(g)
-    held = guard._pending.held_bytes
+    held = guard.pending.queue.held_bytes
     q_bytes, g_bytes = q.untyped_storage().nbytes(), g.untyped_storage().nbytes()
     del q, g, out, lse
     torch.cuda.synchronize()

@@ -198,6 +198,7 @@ def test_finish_backward_converts_drops_sentinel_and_flags_in_interpreter():
 GATED = r"""
 import torch
 from glm5_dsa_plugin.ops.contract import EMPTY_ROW_LSE
+from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, Flag
 from glm5_dsa_plugin.ops.triton_helpers import KV_SUSPECT_BOUND, check_forward, prepare_indices
 
 g = torch.Generator().manual_seed(0)
@@ -227,24 +228,26 @@ for B, T, G, hg, d_v, rows, block in [(1, 7, 2, 2, 16, 4, 8), (2, 5, 1, 3, 24, 8
         doubtful = ((lse.view(-1).abs() > 50.0) & (lse.view(-1) != EMPTY_ROW_LSE)) | (
             (lse.view(-1) == EMPTY_ROW_LSE) & (ext_rows > 0))
         for gate_set in (False, True):
-            flags = torch.zeros(8, dtype=torch.int32)
-            flags[5] = int(gate_set)
+            flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32)
+            flags[Flag.KV_SUSPECT] = int(gate_set)
             l2 = lse.clone()
-            check_forward(out, l2, flags, 1, 5, 50.0, EMPTY_ROW_LSE, extent, hg, rows=rows, block=block)
+            check_forward(out, l2, flags, Flag.NONFINITE, Flag.KV_SUSPECT, 50.0, EMPTY_ROW_LSE, extent, hg, rows=rows,
+                          block=block)
             want = int(bool((~torch.isfinite(lse)).any() or doubtful.any() or (gate_set and (~torch.isfinite(out)).any())))
-            assert flags.tolist() == [0, want, 0, 0, 0, int(gate_set), 0, 0], (flags, want, gate_set)
+            assert flags.tolist() == [want if i == Flag.NONFINITE else int(gate_set) if i == Flag.KV_SUSPECT else 0
+                                      for i in range(FLAG_SLOTS)], (flags, want, gate_set)
             assert torch.isnan(l2.view(-1)[doubtful]).all()
             assert torch.equal(l2.view(-1)[~doubtful].nan_to_num(7.0), lse.view(-1)[~doubtful].nan_to_num(7.0))
             n_flagged[want] += 1
             if not gate_set:  # without extent: empty rows are never doubtful
-                l3, f3 = lse.clone(), torch.zeros(8, dtype=torch.int32)
-                check_forward(out, l3, f3, 1, 5, 50.0, EMPTY_ROW_LSE, rows=rows, block=block)
+                l3, f3 = lse.clone(), torch.zeros(FLAG_SLOTS, dtype=torch.int32)
+                check_forward(out, l3, f3, Flag.NONFINITE, Flag.KV_SUSPECT, 50.0, EMPTY_ROW_LSE, rows=rows, block=block)
                 assert torch.equal((l3 == EMPTY_ROW_LSE), (lse == EMPTY_ROW_LSE))
 assert min(n_flagged.values()) >= 30, n_flagged  # both outcomes exercised
 for bad_args in [dict(lse=torch.zeros(2, 4)), dict(lse=torch.zeros(3, 2).t()),
                  dict(extent=torch.zeros(5, dtype=torch.int32))]:
-    kw = dict(out=torch.zeros(2, 3, 8), lse=torch.zeros(2, 3), flags=torch.zeros(8, dtype=torch.int32), slot=1,
-              gate=5, lse_bound=1.0, empty_lse=-1e30) | bad_args
+    kw = dict(out=torch.zeros(2, 3, 8), lse=torch.zeros(2, 3), flags=torch.zeros(8, dtype=torch.int32), slot=Flag.NONFINITE,
+              gate=Flag.KV_SUSPECT, lse_bound=1.0, empty_lse=-1e30) | bad_args
     if "out" in bad_args or kw["lse"].shape != (2, 3):
         kw["out"] = torch.zeros(*kw["lse"].shape, 8) if kw["lse"].shape == (2, 3) else kw["out"]
     try:
