@@ -76,7 +76,7 @@ def sparse_mla(
             before any kernel runs. Either way the error names the first bad entry. Only trusted
             callers that already guarantee the index rule should pass False.
         deterministic: dq/dkv bitwise identical from run to run (TileLang: dKV reduced per kv row
-            in a fixed order instead of fp32 atomics; slower, see benchmarks/NOTES.md; the
+            in a fixed order instead of fp32 atomics; slower, see docs/kernels.md; the
             reference is deterministic on CPU, and on CUDA under torch.use_deterministic_algorithms).
             The forward is deterministic either way. The Megatron attention module passes
             ``config.deterministic_mode``.

@@ -289,9 +289,9 @@ def _nonfinite_case(H, T=256, T_kv=2048, K=128):
 def test_nonfinite_inputs_come_out_nonfinite(H, options):
     """A NaN in a selected kv row, a NaN in q and an inf in q that makes a score +inf come out
     nonfinite (out, lse, dq) in every (row, head) where the fp32 reference's do, and dkv of the
-    NaN key nonfinite. Until session 17 every forward epilogue tested ``row_sum > 0`` to find
-    empty rows; a NaN row sum failed it, so such rows came out as empty rows (out 0, lse -1e30):
-    finite, and invisible to the guard. A row group may spread a NaN key to the group's other
+    NaN key nonfinite. An epilogue that tested ``row_sum > 0`` to find empty rows would fail a
+    NaN row sum and return such rows as empty rows (out 0, lse -1e30): finite, and invisible to
+    the guard. A row group may spread a NaN key to the group's other
     rows (a masked entry is -inf + NaN); nothing else may differ: every other entry is finite
     and matches the reference."""
     from glm5_dsa_plugin.ops.tilelang.backend import _kernel_lists, TileLangBackend
@@ -370,7 +370,7 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
     """The guard's forward check for this backend (kv flagged in index preparation, lse read, out
     read only when kv is suspect) flags whenever a full scan of out and lse does, on every kernel
     path, over poisoned q and kv and the regimes ``finite_out_lse_bound`` argues about: every
-    score of a row below -2^30 (the running max's start until session 22), scores with
+    score of a row below -2^30 (where a finite running-max start would sit), scores with
     |m * c| >= 2^27, scores that overflow fp32, kv entries of 2^99 (not suspect) and 2^101. It
     flags more only for doubtful rows (lse beyond the bound, or empty with a valid slot), whose
     lse it sets to NaN, every other lse untouched; in the clean case nothing."""
@@ -395,8 +395,9 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
     }
     if case == "scores_below_mask_init":
         # kv all ones; the row's scores all exactly -(2^30 + 2048) (multiples of 128 below 2^31:
-        # exact in fp32 in any order): until session 22 every p underflowed (exp51: out 0, lse
-        # EMPTY_ROW_LSE); now the row is exact, its lse (about -6.7e7) beyond the bound
+        # exact in fp32 in any order): with a running max starting at -2^30 every p would
+        # underflow (out 0, lse EMPTY_ROW_LSE); the row is exact, its lse (about -6.7e7) beyond
+        # the bound
         kv.fill_(1.0)
         q[0, row, h].zero_()
         q[0, row, h, :512] = -(2.0**21)
@@ -430,9 +431,8 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
 @pytest.mark.parametrize("H", [64, 16])
 def test_rows_whose_scores_all_underflow_are_recomputed(H):
     """Through the op (``fallback``, without grad and under autograd): a row whose scores are all
-    far below -2^30 (until session 22 the kernels returned it as an empty row, out 0, lse
-    EMPTY_ROW_LSE: exp51; now right, with an lse beyond the check's bound) is recomputed by the
-    guard, so out and lse equal the fp64 reference there and every other row is the kernels' own."""
+    far below -2^30 (right in the kernels, with an lse beyond the check's bound) is recomputed by
+    the guard, so out and lse equal the fp64 reference there and every other row is the kernels' own."""
     from glm5_dsa_plugin.ops import configure, guard_stats, reset_guard_stats
 
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -476,8 +476,8 @@ def test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels(H, options
     """The kernels alone (no guard) on every forward path: rows whose scores all lie far below
     -2^30 (exactly -(2^30 + 2048) and -(2^30 + 2^27)) equal the fp64 reference, and so do rows whose
     first slot blocks are all padding (the running max -inf through them) and every other row; the
-    empty row is an empty row. The running max starts at -inf since session 22; at -2^30 the first
-    such row came out empty (out 0, lse EMPTY_ROW_LSE: exp51), which only the guard caught."""
+    empty row is an empty row. The running max starts at -inf; a start at -2^30 would return such
+    a row empty (out 0, lse EMPTY_ROW_LSE), which only the guard would catch."""
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -505,7 +505,7 @@ def test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels(H, options
         assert (out[0, row] != 0).any()
         # at |m * c| ~ 1e8 every p of the row is 2^e, |e| <= 4 (m * c rounded), not 1: P enters the
         # PV GEMM in bf16 and the row sum in fp32, so the whole row is off by bf16's rounding of
-        # that one factor (<= 2^-9) besides out's own (session 22, call 1: 2^-8 on every path)
+        # that one factor (<= 2^-9) besides out's own
         assert rel_l2(out[0, row], r_out[0, row]) <= 5e-3, row
         torch.testing.assert_close(lse[0, row], r_lse[0, row], rtol=1e-6, atol=0)  # (both fp32)
     assert rel_l2(out[0], r_out[0]) <= 3e-3

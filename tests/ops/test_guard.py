@@ -135,7 +135,7 @@ def test_off_policy_passes_nan_through(faulty):
 
 def test_bad_inputs_are_not_hidden(faulty):
     """A nonfinite input cannot be repaired: the call raises (loud, not silent) and does not warn
-    first that it repaired the rows (until session 17 it did)."""
+    first that it repaired the rows."""
     q, kv, idx, _ = _inputs()
     with torch.no_grad():
         q[0, 2, 1, 0] = NAN

@@ -87,7 +87,7 @@ def _drain_writes(src: str, atomic: bool) -> list[str]:
     the per-slot kernel's 16-byte stores), checked for what the drain of each MMA warpgroup's
     chunk buffers does: its values read from the buffer into registers (16-byte vectors), the
     buffer freed, then one write per valid slot from those registers under the valid-slot test
-    (exp94: none of the chunk's own writes ahead of its free)."""
+    (none of the chunk's own writes ahead of its free)."""
     lines = src.splitlines()
     if atomic:
         writes = re.findall(r"AtomicAddx4\(\(&\(dKV\[[^;]*\(&\(drain_vals\[[^;]*;", src)
@@ -179,16 +179,16 @@ def _forward_source(kind: str, heads: int, R: int) -> str:
 @pytest.mark.parametrize("kind,heads,R", [("ws", 64, 1), ("ws", 8, 8), ("classic", 64, 1), ("classic", 16, 4)])
 def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
     """Every forward epilogue finds empty rows by ``row_sum != 0``: a NaN row sum (NaN / inf among
-    the row's inputs) fails ``0 < row_sum``, which until session 17 turned such rows into empty
-    rows (out 0, lse -1e30), finite and invisible to the guard. The GPU test
+    the row's inputs) fails ``0 < row_sum``, which would turn such rows into empty rows (out 0,
+    lse -1e30), finite and invisible to the guard. The GPU test
     ``test_nonfinite_inputs_come_out_nonfinite`` checks the values."""
     src = _forward_source(kind, heads, R)
     tests = re.findall(r"\(row_sum\w*\[[^\]]*\] != 0x0p\+0f", src)
     # the reciprocal, out and lse (ws: per MMA warpgroup)
     assert len(tests) == (6 if kind == "ws" else 3), tests
     assert not re.search(r"< row_sum|row_sum\w*\[[^\]]*\] >", src)
-    # one division per row, none per entry of out (exp44: 128 divisions per thread, each with its
-    # slow-path branch, made most of the ws kernel's code; exp47: the classic epilogue likewise)
+    # one division per row, none per entry of out (a division per entry, each with its slow-path
+    # branch, would make most of the kernel's code)
     divisions = re.findall(r"(\S+) / row_sum\w*\[", src)
     # the reciprocals: per MMA warpgroup (ws), once (classic)
     assert divisions == ["(0x1p+0f/*1.000000e+00*/"] * (2 if kind == "ws" else 1), divisions
@@ -197,11 +197,11 @@ def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
 @pytest.mark.parametrize("kind,heads,R", [("ws", 64, 1), ("ws", 8, 8), ("classic", 64, 1), ("classic", 16, 4)])
 def test_forward_running_max_starts_at_minus_inf(kind, heads, R):
     """Every forward starts its running max at -inf and takes its exponents from 0 while the max
-    is -inf (``_exp_base``): the p of the block and the rescale of out (ws: at both folds of the
+    is -inf (``tiles.exp_base``): the p of the block and the rescale of out (ws: at both folds of the
     block's max and in the softmax of each MMA warpgroup, and at warpgroup 0's rescale to the pair's
-    max: 5; classic: the rescale and the softmax, in each copy of the loop the pipeliner makes). The
-    finite start (-2^30) gave a row whose scores all lay 2048 below it out 0 and an empty row's lse
-    (exp51). The GPU test ``test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels``
+    max: 5; classic: the rescale and the softmax, in each copy of the loop the pipeliner makes). A
+    finite start (-2^30) would give a row whose scores all lie 2048 below it out 0 and an empty
+    row's lse. The GPU test ``test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels``
     checks the values."""
     src = _forward_source(kind, heads, R)
     assert "0x1p+30f" not in src
@@ -217,8 +217,8 @@ def test_forward_running_max_starts_at_minus_inf(kind, heads, R):
 @pytest.mark.parametrize("ws,heads,R", [(True, 64, 1), (True, 8, 8), (False, 16, 1), (False, 16, 4)])
 def test_backward_index_checks_cannot_wrap(ws, heads, R):
     """Every comparison of an index with kv_rows is made in int64: TVM rewrites ``idx < kv_rows - 1``
-    into ``idx + 1 < kv_rows``, which in int32 let 2**31 - 1 through to the dKV atomics (session
-    17, exp39); the backward reads the caller's indices, so such a value can reach it."""
+    into ``idx + 1 < kv_rows``, which in int32 lets 2**31 - 1 through to the dKV atomics; the
+    backward reads the caller's indices, so such a value can reach it."""
     from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
     from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
@@ -255,12 +255,12 @@ def test_row_group_kernels_build_and_fit(hg, kv_group):
 def test_warp_specialized_forward_builds_and_fits(heads, R):
     """The warp-specialised forward (64-row tiles: H64/H128 one row per block, row groups) builds
     for sm_90a within 227 KiB; its gather warpgroup copies Q and kv with cp.async and has no
-    partial barrier; each MMA warpgroup has its own partial-barrier id (a shared id hung session
-    7's first version); each MMA warpgroup computes its scores as two GEMMs over the kv buffer's
+    partial barrier; each MMA warpgroup has its own partial-barrier id (a shared id hangs the
+    kernel); each MMA warpgroup computes its scores as two GEMMs over the kv buffer's
     column parts (each part has its own full / free mbarriers), runs one PV GEMM from registers
     (its own P) and one from shared memory (the other warpgroup's), the latter for warpgroup 1
     from buffer 0's rope-tail columns; warpgroup 0 never waits for part of its wgmma groups
-    (a partial wait under its overlapped PV made ptxas serialise every wgmma, session 15); one row
+    (a partial wait under its overlapped PV makes ptxas serialise every wgmma); one row
     per block stores out from the dead Q tile in 16-byte stores, row groups from the fragment;
     the setmaxnreg counts fit the 3 x 168 registers per thread given at launch."""
     from glm5_dsa_plugin.ops.tilelang.fwd_ws import sparse_mla_fwd_ws_kernel
@@ -290,7 +290,7 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
         staged = re.findall(r"\*\(uint4\*\)\(Out \+ .*= \*\(uint4\*\)\(\(\(bfloat16_t\*\)q_s\)", r)
         assert len(staged) == (R == 1) and ("*(uint1*)(Out + " in r) == (R > 1)
     # with one row per block the gathers select the sentinel themselves (the backend hands them
-    # the caller's indices as they are); no nonfinite test here (exp42: it cost the kernel 10-12%)
+    # the caller's indices as they are); no nonfinite test here (the guard scans out and lse)
     assert ("+ (int64_t)1) < ((int64_t)kv_rows)" in roles[2]) == (R == 1)
     assert "Flags" not in src
 
@@ -301,12 +301,12 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     """The warp-specialised backward builds for sm_90a within 227 KiB; its gather/drain warpgroup
     copies with cp.async and issues the dKV vector atomics; TileLang's partial barriers in it
     use ids of their own; the three setmaxnreg counts fit the 3 x 168 registers per thread given
-    at launch (more, and setmaxnreg.inc waits forever: the first version hung that way). The
-    score side is split between the MMA warpgroups (session 14): warpgroup 0 computes all 32
+    at launch (more, and setmaxnreg.inc waits forever). The score side is split between the MMA
+    warpgroups: warpgroup 0 computes all 32
     slots' scores (m64n32; with one row per block Q and kv are [rows, 576] tiles, so one 576-deep
     GEMM; row groups keep them split at d_v, two GEMMs), warpgroup 1 dO V^T (one m64n32 GEMM);
-    no GEMM splits the slots between the warpgroups (m64n16) any more. One row per block stores
-    dq through the dead Q tile (exp49)."""
+    no GEMM splits the slots between the warpgroups (m64n16). One row per block stores dq through
+    the dead Q tile."""
     from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     k = sparse_mla_bwd_ws_kernel(heads, d_v, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
@@ -319,7 +319,7 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     assert "cp_async_gs<16>" in src[drain:] and "AtomicAddx4" in src[drain:] and "AtomicAdd" not in src[:drain]
     # TileLang's partial barriers: the drain's (around its gathers: its chunk reads and the
     # gathers' cp.async land in one merged shared buffer) never share an id with the MMA
-    # warpgroups' (session 7's hang: one hardware barrier met by warps of two roles)
+    # warpgroups' (one hardware barrier met by warps of two roles hangs the kernel)
     mma_ids, drain_ids = (set(re.findall(r"__sync_thread_partial\((\d+), ", part))
                           for part in (src[:drain], src[drain:]))
     assert mma_ids and not mma_ids & drain_ids, (mma_ids, drain_ids)
@@ -334,7 +334,7 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     nan_test = r"\((\w+)\[\w+\] != \1\[\w+\]\) \| \(\(fabsf\(\1\[\w+\]\) == CUDART_INF_F\)"
     assert set(re.findall(nan_test, src[:drain])) == {"acc_dq", "acc_dqt"} and not re.findall(nan_test, src[drain:])
     assert src.index("Flags[0] = 1;") < src.index("(dQ + ") and src.count("Flags[0] = 1;") == 2
-    # the prologue (exp47): the gather warpgroup issues block 0's copies before the Q / dO tiles
+    # the prologue: the gather warpgroup issues block 0's copies before the Q / dO tiles
     # load; the tiles load in 16-byte vectors (but for the rows ``vector_rows`` leaves over); dO is
     # read from global memory there only (the row delta reads the shared tile)
     prologue = src[:src.index("warpgroup_reg_alloc")]
@@ -344,7 +344,7 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
         assert prologue.count(f"*(uint1*)(((bfloat16_t*){tile})") <= 1  # the left-over rows' loop
     assert src.rfind("(dO + ") < len(prologue)
     # one row per block stores dq's d_v columns from the dead Q tile in 16-byte stores, behind a
-    # barrier of both MMA warpgroups (exp49); row groups (and the rope tail) from the fragment
+    # barrier of both MMA warpgroups; row groups (and the rope tail) from the fragment
     staged = re.findall(r"\*\(uint4\*\)\(dQ \+ .*= \*\(uint4\*\)\(\(\(bfloat16_t\*\)q_s\)", src[:drain])
     assert len(staged) == (R == 1) and src[:drain].count("*(uint1*)(dQ + ") == (1 if R == 1 else 2)
     if R == 1:
@@ -358,8 +358,8 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
 @pytest.mark.parametrize("heads,d_v,R", [(64, 512, 1), (64, 256, 1), (16, 512, 4), (8, 512, 8)])
 def test_warp_specialized_backward_places_its_own_proxy_fences(heads, d_v, R):
     """The warp-specialised backward is built without TileLang's InjectFenceProxy pass, which
-    fenced every step's GEMMs after the drain's fp32 chunk stores that no wgmma reads (exp65 /
-    exp66: 1.5-2.4% of the W2 H64 backward). Its CUDA holds exactly its own three
+    fences every step's GEMMs after the drain's fp32 chunk stores that no wgmma reads. Its CUDA
+    holds exactly its own three
     fence.proxy.async, each after generic shared-memory stores that a wgmma reads: the prologue's
     Q / dO tiles (before the block's barrier), P (stmatrix into p_s) and dS (into dp_s), with no
     wgmma between a store and its fence. Other kernels keep the pass: the warp-specialised forward
@@ -394,7 +394,7 @@ def test_warp_specialized_backward_places_its_own_proxy_fences(heads, d_v, R):
 @pytest.mark.parametrize("heads,R", [(64, 1), (16, 4), (8, 8)])
 def test_warp_specialized_backward_reads_lse_before_its_block_loop(heads, R):
     """Warpgroup 0 reads its rows' lse once, before the block loop: loaded after each step's score
-    GEMM (behind a wgmma wait no load can move above) it cost the W2 H64 backward 2-3% (exp69)."""
+    GEMM it would sit behind a wgmma wait no load can move above."""
     from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     src = sparse_mla_bwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A).get_kernel_source()

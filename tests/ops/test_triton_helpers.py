@@ -363,7 +363,7 @@ def test_row_group_geometry_and_choice():
     arrivals = iter([None, [100, 1000], None])  # counts of W2-like sharing arrive on the 2nd call
     choice.arrived = lambda: next(arrivals, None)
     assert [choice.choose() for _ in range(3)] == [(True, True)] * 3
-    arrivals = iter([[700, 1000]])  # W1-like: groups (exp33: an entry costs 0.62-1.00 slots)
+    arrivals = iter([[700, 1000]])  # W1-like: groups (an entry costs less than a slot)
     assert choice.choose() == (True, True)
     arrivals = iter([[1000, 1000]])  # no key shared: one entry per slot
     assert choice.choose() == (False, False)  # the first of REPROBE_CALLS one-row calls

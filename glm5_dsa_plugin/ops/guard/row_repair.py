@@ -60,8 +60,7 @@ _KV_ROWS_REPAIRED = tl.constexpr(int(Flag.KV_ROWS_REPAIRED))
 HEADS_PER_PROGRAM = 16  # rows of each tl.dot (its minimum M)
 SLOTS_PER_STEP = 32
 # query rows per program: with the flag clear every program only reads it, so fewer programs
-# mean fewer waves of a kernel that fits one or two per SM (no measured difference at W2 H64:
-# guard overhead +1.6% with 1 and with 32 rows, benchmarks/NOTES.md session 5)
+# mean fewer waves of a kernel that fits one or two per SM
 ROWS_PER_PROGRAM = 32
 # dots of inputs other than bf16 (and under TRITON_INTERPRET): fp32 operands as three TF32
 # products on the tensor cores, about fp32 accuracy ("ieee": plain FMA)

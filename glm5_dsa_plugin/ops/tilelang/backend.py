@@ -163,11 +163,9 @@ class TileLangBackend(Backend):
         kv rows below 2^100, < 2^124, times the reciprocal row sum) is finite and exact. The
         regimes left: |m * c| >= 2^27 has |lse| >= 2^27 * ln 2 - 104 (or an empty lse); every
         score -inf (fp32 overflow) an empty lse on a row with a valid slot. Hence B = min(2^29 *
-        sm_scale, 2^26). (Until session 22 the running max started at -2^30, and a row whose
-        scores all lay 2048 below it came out empty, exp51, which the check caught as an empty
-        row with a valid slot; such a row now comes out right, with |lse| > 2^30 * sm_scale -
-        ln(topk) > B, and the guard still recomputes it.) Session 21's GPU tests compare the
-        check with a full scan over poisoned and extreme q and kv."""
+        sm_scale, 2^26). A row whose scores all lie far below zero comes out right, with
+        |lse| > B, and the guard still recomputes it. The GPU tests compare the check with a full
+        scan over poisoned and extreme q and kv."""
         if not self._choices.safe or topk >= 2**20:
             return None
         return min(2.0**29 * float(sm_scale), 2.0**26)
@@ -454,8 +452,8 @@ class TileLangBackend(Backend):
         ``segment_sum_rows`` in slot order, chunk after chunk of query rows (row groups: of groups).
         ``lists`` = ``_kernel_lists``' (R, keys, members, extent): one-row blocks (R = 1, keys the
         prepared indices) or row groups (keys [B, NG, G, R * topk], one contribution per entry of a
-        group's list: at W2 H8 256 entries per row instead of 1536 slots; the slot buffer holds the
-        longest list's extent per group). 64-row head tiles run the warp-specialised kernel (its
+        group's list, far fewer than R * topk slots where the rows share keys; the slot buffer holds
+        the longest list's extent per group). 64-row head tiles run the warp-specialised kernel (its
         drain stores each valid slot's contribution instead of adding it; it tests dq itself and
         sets ``nonfinite_flag``), others the single-warpgroup one. -> (dq, dkv fp32 with the
         sentinel row, whether dq was tested)."""
@@ -486,10 +484,10 @@ class TileLangBackend(Backend):
         n_blocks = keys.shape[1]  # query rows (R = 1) or groups of R rows
         if (R > 1 and n_blocks > 0 and self._choices.compact_group_slots
                 and not (qp.is_cuda and torch.cuda.is_current_stream_capturing())):
-            # a group's list holds R * topk slots, mostly padding (W2 H8: about 2050 of 16384 used):
-            # the slot buffer keeps only the longest list's extent per group, read here (one host
-            # read per call; in CUDA graph capture the full width, so other chunks and bits). 2 GiB
-            # of full-width groups held 56 at W2 H8: chunks of under half a wave (exp75).
+            # a group's list holds R * topk slots, mostly padding: the slot buffer keeps only the
+            # longest list's extent per group, read here (one host read per call; in CUDA graph
+            # capture the full width, so other chunks and bits), so that a chunk of full-width
+            # groups does not shrink to a fraction of a wave
             KS = max(1, int(ext.max()))
         else:
             KS = K  # slots per block in the slot buffer

@@ -18,10 +18,9 @@ def _flag_nonfinite(Flags, acc, h_blk, width):
     own entries: no cross-thread step, so no barrier among warp-specialised warpgroups). The
     guard's nonfinite check for what the kernel is about to store, in place of a pass over the
     stored tensor; a value finite in fp32 that rounds to inf in bf16 (within 0.2% of bf16's
-    largest) is not flagged. Used by the backward for dq (exp41: +0.3% of the kernel, where the
-    scan it replaces costs about 70 us at W2 H64); the same test in the warp-specialised
-    forward's epilogue cost that kernel 10-12% (exp42, and exp38's other form), so the guard
-    scans out and lse itself."""
+    largest) is not flagged. Used by the backward for dq, where it costs far less than the scan
+    it replaces; in the warp-specialised forward's epilogue the same test costs more than the
+    guard's own scan of out and lse, so the forward has none."""
     for h, d in T.Parallel(h_blk, width):
         if T.isnan(acc[h, d]) | T.isinf(acc[h, d]):
             Flags[0] = 1
@@ -32,8 +31,7 @@ def vector_rows(rows: int, width: int, threads: int, vec: int = 8) -> int:
     moves in whole ``vec``-element vectors (their element count a multiple of threads * vec).
     TileLang 0.1.15 vectorises a copy whose elements do not divide evenly among the threads
     only 2 or 1 elements wide: 64 x 512 by 384 threads became 43 predicated 4-byte loads per
-    thread (exp47: loading the dO tile's rows in whole vectors first, all but 4, took 4.0% off
-    the W2 H64 backward kernel)."""
+    thread; the rows this leaves are loaded in whole vectors first."""
     step = threads * vec // math.gcd(threads * vec, width)
     return rows - rows % step
 
@@ -63,38 +61,31 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
 
     Per 32-slot block, the two MMA warpgroups split the score side: warpgroup 0 computes
     S = Q K^T and P, warpgroup 1 dP = dO V^T and then dS from P (handed over in fp32 through
-    shared memory), so each reads Q or dO once per step (session 14, exp23: 8.7-10.3% faster than
-    both computing both for half the slots). Both then add dS K to their half of dQ's columns and
-    compute dKV^T for the block 64 features at a time on wgmma (A = Q^T / dO^T read from shared
-    memory, B = dS / P): warpgroup 0 the first half of the d_v features, warpgroup 1 the rest and
-    the rope tail. Warpgroup 1 computes block i's rope-tail chunk (Q_tail^T dS) during block
-    i + 1, after its dP GEMM, where it would otherwise wait for P (exp25: 4% faster; dp_s keeps
-    block i's dS until warpgroup 1 itself rewrites it; the last block's tail runs after the
-    loop). Each chunk's [32 slots, 64] fp32 rows go to one of the warpgroup's two chunk buffers,
-    in the same order either way; warpgroup 2 drains them with vector fp32 atomics as they come
-    (each chunk's values into registers, its buffer freed, then the atomics: session 29, exp94, 2%
-    faster at 64 heads than atomics straight from the buffer), and gathers the next block's kv rows
-    with cp.async as soon as the dQ MMAs are done with the buffer. The chunks are
-    software-pipelined: each MMA warpgroup has two chunk accumulators, issues its first chunk right
-    behind its dQ GEMMs and every next chunk before it stages the previous one, so the staging
-    stores run under GEMMs; and the warpgroups do not meet at the end of a step: warpgroup 0 runs
-    its next score GEMM and exp2 first and only then waits for both to be done with the block's P /
-    dS, which it is about to overwrite (session 28: the staging stores and the atomics each cost
-    about 1.2 ms of W2 H64's 7.2, exp83; with both changes the backward takes 0.97x the time at W2 /
-    W1 H64, 0.95x at H16, 0.93x at H8, exp84-exp86). Shared memory:
-    Q and dO (139 KB) + kv (37 KB) + chunk buffers (35 KB) + P (bf16 and fp32), dS. Registers
-    per thread: 224 / 224 / 56 (the second accumulators: at 216 ptxas serialises the wgmma, at 232 /
-    40 the drain starves, 1.5% slower; exp24: the drain's atomics and the gathers want more than
-    40). Prologue (nothing overlaps it: one CTA per SM): block 0's gather is issued first, the Q /
-    dO tiles load in 16-byte vectors (``vector_rows``), and Delta reads dO from its shared tile
-    (exp47: together 6.4% off the W2 H64 kernel, 4.9% at W1). R = 1 stores dq through the dead Q
-    tile in 16-byte stores (exp49).
+    shared memory), so each reads Q or dO once per step. Both then add dS K to their half of dQ's
+    columns and compute dKV^T for the block 64 features at a time on wgmma (A = Q^T / dO^T read
+    from shared memory, B = dS / P): warpgroup 0 the first half of the d_v features, warpgroup 1
+    the rest and the rope tail. Warpgroup 1 computes block i's rope-tail chunk (Q_tail^T dS)
+    during block i + 1, after its dP GEMM, where it would otherwise wait for P (dp_s keeps block
+    i's dS until warpgroup 1 itself rewrites it; the last block's tail runs after the loop). Each
+    chunk's [32 slots, 64] fp32 rows go to one of the warpgroup's two chunk buffers, in the same
+    order either way; warpgroup 2 drains them with vector fp32 atomics as they come (each chunk's
+    values into registers, its buffer freed, then the atomics), and gathers the next block's kv
+    rows with cp.async as soon as the dQ MMAs are done with the buffer. The chunks are
+    software-pipelined: each MMA warpgroup has two chunk accumulators, issues its first chunk
+    right behind its dQ GEMMs and every next chunk before it stages the previous one, so the
+    staging stores run under GEMMs; and the warpgroups do not meet at the end of a step:
+    warpgroup 0 runs its next score GEMM and exp2 first and only then waits for both to be done
+    with the block's P / dS, which it is about to overwrite. Shared memory: Q and dO (139 KB) + kv
+    (37 KB) + chunk buffers (35 KB) + P (bf16 and fp32), dS. Registers per thread: 224 / 224 / 56
+    (the second accumulators need 224: at 216 ptxas serialises the wgmma; the drain's atomics and
+    the gathers need more than 40). Prologue (nothing overlaps it: one CTA per SM): block 0's
+    gather is issued first, the Q / dO tiles load in 16-byte vectors (``vector_rows``), and Delta
+    reads dO from its shared tile. R = 1 stores dq through the dead Q tile in 16-byte stores.
     Rows (groups) run last first, as in the forward: under a causal mask the longest lists start
-    first instead of trailing the launch (exp54: W2 H64 0.992x, W1 0.995x; an L2 prefetch of the
-    next wave's Q / dO / O tiles on top of it was 1% slower). Warpgroup 0 keeps its rows' lse in
-    registers, read once (exp69: read from global memory after every score GEMM it cost W2 H64
-    2.2-2.8%, W1 1.4-1.9%), and GEMM pairs that need nothing from each other (a chunk's two, dQ's
-    two, dP and the deferred tail chunk) share one wgmma wait (alone: within noise)."""
+    first instead of trailing the launch. Warpgroup 0 keeps its rows' lse in registers, read
+    once, and GEMM pairs that need nothing from each other (a chunk's two, dQ's two, dP and the
+    deferred tail chunk) share one wgmma wait. docs/kernels.md gives what each of these choices
+    measured against its alternative."""
     R = rows_per_block
     assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
@@ -104,9 +95,8 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     K = topk * R
     assert K % BS == 0
     D, DT, NS = d_v, d_tail, K // BS
-    # one tile: Q and each kv block as [rows, D + DT] shared tiles, one score GEMM (R = 1: 6%
-    # faster, session 11). Row groups keep Q / kv split at D: one-tiled they spill 170-190 bytes
-    # (vs 50) and ran 8% slower.
+    # one tile: Q and each kv block as [rows, D + DT] shared tiles, one score GEMM (R = 1). Row
+    # groups keep Q / kv split at D: one-tiled they spill registers and run slower.
     one_tile = R == 1
     QW = D + DT if one_tile else D
     NCV = D // 64  # 64-feature chunks of d_v; warpgroup 0 runs HALF of them, warpgroup 1
@@ -214,8 +204,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         # warpgroup c's chunk k of this block: columns (c * HALF + k) * 64 + [0, 64), 16 bytes per
         # atomic. The thread's slot keys are read before the wait and its values into registers after
         # it; the buffer is freed before this chunk's atomics, so the free (a release) follows only
-        # the previous chunk's (exp94: 2% faster than after its own; exp96: a relaxed free that
-        # follows none was 3-5% slower)
+        # the previous chunk's (not its own, nor none: a relaxed free)
         tp = w.tx - 256
         n = blk * N_OWN[c] + k
         for r in T.unroll(BS * 16 // 128):
@@ -357,8 +346,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                                 ch_full=((ch_full00, ch_full01), (ch_full10, ch_full11)),
                                 ch_free=((ch_free00, ch_free01), (ch_free10, ch_free11)),
                                 step_done=step_done, drain_keys=drain_keys, drain_vals=drain_vals)
-            # the gather warpgroup starts block 0's kv rows before the prologue loads (exp47: -1.4%
-            # of the W2 H64 kernel, -1.9% at H8)
+            # the gather warpgroup starts block 0's kv rows before the prologue loads
             if tx >= 256:
                 if nb > 0:
                     gather(w, 0)
@@ -375,7 +363,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                 T.clear(acc_dqt)
                 row_delta(w, od, od_sum, delta, S, load_rows, h_blk, D, do_from_shared=True, unrolled=one_tile)
                 if tx < 128:
-                    # read once: loaded after each step's score GEMM, it cost W2 H64 2-3%, W1 1-2% (exp69)
+                    # read once (a load after each step's score GEMM sits behind a wgmma wait)
                     for h in T.Parallel(h_blk):
                         lse_log2[h] = load_lse(Lse, b, s, h0, h, S) * LOG2E
                 for i in T.serial(nb):
@@ -389,10 +377,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                 _flag_nonfinite(Flags, acc_dqt, h_blk, DT)
                 if one_tile:
                     # dq through the Q tile's first d_v columns, then 16-byte coalesced stores, as the
-                    # forward stores out (exp49: 1.2-1.3% off the kernel at W1 / W2 H64, dq bitwise
-                    # the same). Each warpgroup writes its own columns; TileLang's 256-thread barriers
-                    # fall between the last GEMM that reads the tile and these stores, and before the
-                    # read-back (tests/test_tilelang_compile.py checks both).
+                    # forward stores out (dq bitwise the same). Each warpgroup writes its own
+                    # columns; TileLang's 256-thread barriers fall between the last GEMM that reads
+                    # the tile and these stores, and before the read-back
+                    # (tests/ops/test_tilelang_compile.py checks both).
                     T.copy(acc_dq, q_s[0:h_blk, 0:D])
                     T.copy(q_s[0:h_blk, 0:D], dQ[b, s, h0:h0 + h_blk, 0:D])
                 else:

@@ -22,9 +22,9 @@ EXPLICIT_FENCES_ATTR = "glm5_dsa.explicit_proxy_fences"
 def _install_selective_fence_pass() -> None:
     """TileLang's InjectFenceProxy puts a fence.proxy.async before a wgmma whenever generic
     shared-memory traffic may precede it in program order, loop back edges included, whether or
-    not the wgmma reads what was stored: in the warp-specialised backward, 5 fences per step and
-    MMA warpgroup after the fp32 dKV^T chunk stores that only the drain reads (1.5-2.4% of the W2
-    H64 backward, 0.7-1.5% at W1: exp65 / exp66). TileLang 0.1.15 has no per-kernel switch, so the
+    not the wgmma reads what was stored: in the warp-specialised backward, fences on every step
+    after the fp32 dKV^T chunk stores that only the drain reads (docs/kernels.md gives their
+    cost). TileLang 0.1.15 has no per-kernel switch, so the
     pass the lowering looks up (``tilelang.cuda.transform.InjectFenceProxy``, called for each
     compile) is wrapped once: a module holding a function with ``EXPLICIT_FENCES_ATTR`` skips it,
     every other module, ours or anyone else's, runs it unchanged. Idempotent; a TileLang that
@@ -57,10 +57,10 @@ _install_selective_fence_pass()
 
 def built_once(builder):
     """Memoise a kernel builder per argument set, building each kernel once even when threads ask
-    for it at the same time (``functools.lru_cache`` lets each of them build it). Concurrent
-    TileLang compiles / cache loads of one kernel left one caller with a module that lacked its
-    device function ("Cannot find function fwd_kernel in the imported modules", session 18's
-    correctness sweep, 8 threads). Different kernels still build in parallel."""
+    for it at the same time (``functools.lru_cache`` lets each of them build it): concurrent
+    TileLang compiles / cache loads of one kernel can leave a caller with a module that lacks its
+    device function ("Cannot find function fwd_kernel in the imported modules"). Different
+    kernels still build in parallel."""
     built: dict = {}
     locks: dict = {}
     locks_lock = threading.Lock()

@@ -21,7 +21,8 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                           num_stages=2, threads=256, target="cuda", select_in_kernel=True, blocks=None,
                           rows_per_block=1):
     """Q [B,T,H,Dqk] bf16, KV [B,T_kv+1,G,Dqk] bf16 (last row zero; T_kv rows when not safe),
-    Indices [B,T,G,topk] i32 (host-rewritten to [0, T_kv], T_kv = padding; -1 padding when not safe) -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log).
+    Indices [B,T,G,topk] i32 (host-rewritten to [0, T_kv], T_kv = padding; -1 padding when not
+    safe) -> Out [B,T,H,d_v] bf16, Lse [B,T,H] f32 (natural log).
     Extent [B,T,G] i32: 1 + position of the row's last valid slot (0: none; see ``slot_blocks``).
     ``select_in_kernel=False`` gathers the host-rewritten indices directly (no per-element select;
     in bounds only because ``prepare_indices`` ran).
@@ -130,7 +131,6 @@ def sparse_mla_fwd_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, safe=Tru
                     # empty rows (row_sum == 0): out 0, lse EMPTY_ROW_LSE; a NaN row sum stays NaN
                     # (``!= 0``, as in finish_rows)
                     # one reciprocal per row (alpha is dead after the loop), as in finish_rows
-                    # (exp47: -1.5% of the 16-row one-row forward at W1 / W2)
                     for h in T.Parallel(h_blk):
                         alpha[h] = T.if_then_else(row_sum[h] != 0, 1.0 / row_sum[h], 0)
                     for h, d in T.Parallel(h_blk, D):

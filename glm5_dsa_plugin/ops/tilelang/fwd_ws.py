@@ -16,7 +16,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     """Warp-specialised forward for 64-row tiles (hg a multiple of 64, or row groups with
     R * hg = 64); the same tensors and results as ``sparse_mla_fwd_kernel`` in safe mode. With
     one row per block it takes any indices (every slot outside [0, T_kv) gathers the zero
-    sentinel row T_kv and is masked; exp42: as fast as gathering rewritten indices); row groups
+    sentinel row T_kv and is masked, at no cost against gathering rewritten indices); row groups
     read their key lists, which hold only [0, T_kv].
 
     384 threads in three warpgroups. Warpgroup 2 copies the Q tile (cp.async, its own mbarrier),
@@ -31,14 +31,11 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     second P buffer without shared memory), then rescales its out and runs P1 V1, which is still
     running under the first half of its next score GEMM; warpgroup 1 runs P0 V0. A part is freed
     when its last reader is done: buffer 0's left part after warpgroup 0's P0 V0, so the next
-    gather starts mid-pair. Row sums stay per warpgroup and are added at the end. Rows run last
-    first (R = 1; row groups did already): under a causal mask the last rows hold the longest key
-    lists. R = 1 stores out through the dead Q tile, coalesced. The loop runs the row's (group's)
+    gather starts mid-pair. Row sums stay per warpgroup and are added at the end. Rows (and row
+    groups) run last first: under a causal mask the last rows hold the longest key lists. R = 1 stores out through the dead Q tile, coalesced. The loop runs the row's (group's)
     own blocks, a dynamic count, in pairs; the second block of an odd last pair gathers the block
-    min(nb, NI - 1) again (in bounds) and is fully masked. (Session 15, exp28 / exp29: 10-16%
-    faster than the exchanged max with one P buffer and whole-buffer barriers; exp31: publishing
-    P0 during P0 V0, 5% at H16 R4, within noise elsewhere; session 16, exp32: the staged store,
-    4% at W1.)"""
+    min(nb, NI - 1) again (in bounds) and is fully masked. docs/kernels.md gives what each of
+    these choices measured against its alternative."""
     R = rows_per_block
     assert heads % kv_group == 0 and topk % BLOCK_TOPK == 0 and d_tail == 64 and d_v % 128 == 0
     hg = heads // kv_group
@@ -236,7 +233,7 @@ def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             # the Q tile is dead (both warpgroups' scores are done: sum_full): this warpgroup's
             # columns of out go through it as bf16, then out in 16-byte coalesced stores (a warp
             # writes 512 contiguous bytes) instead of 4-byte stores from the fragment, each warp
-            # instruction touching 8 rows (exp32: 4% faster at W1, bitwise the same out)
+            # instruction touching 8 rows (bitwise the same out)
             lo, hi = c * DH, (c + 1) * DH
             T.copy(w.acc_o, w.q_s[0:h_blk, lo:hi])
             T.copy(w.q_s[0:h_blk, lo:hi], w.Out[w.b, w.s, w.h0:w.h0 + h_blk, lo:hi])

@@ -11,9 +11,7 @@ import torch.nn.functional as F
 from .shapes import BLOCK_TOPK, head_block
 
 # Smallest head tile per kernel (heads per kv group are zero-padded up to it). 16-row forward
-# tiles were wrong on TileLang 0.1.15 until the barrier before the P-tile write (see
-# tilelang_kernels); with it, proven on the H200 (0 bad rows on the configurations that failed:
-# benchmarks/results/2026-11-29_h200_v4c_forward_variants.log and the v5 one).
+# tiles need the barrier before the P-tile write (``fwd.sparse_mla_fwd_kernel``).
 FWD_MIN_HEADS = 16
 BWD_MIN_HEADS = 16
 
@@ -83,11 +81,10 @@ def forward_launches(hg_pad: int, n_blocks: int, buckets: int, buckets_64: int =
     launch, or ``buckets_64`` single-stage launches. TileLang 0.1.15 stops reusing the
     reductions' shared workspaces once the pipelined loop sits under the bucket's row test, which
     takes the two-stage 64-row tile to 230 KB, over Hopper's 227 KB (the launch fails;
-    tests/test_tilelang_compile.py checks every plan); single-stage it is 156 KB. Single-stage
-    buckets are faster on ragged rows (W2 H64 kernel, 8 buckets: 3.60 vs 4.38 ms, bitwise equal
-    out) and slower on full rows (one single-stage launch: 4.88 ms), hence an option, or a choice
-    per call from row counts (``fwd_buckets_64="auto"``, ``cheaper_buckets_64``)
-    (benchmarks/results/2026-11-29_h200_v6c_h64_stages_buckets.log)."""
+    tests/ops/test_tilelang_compile.py checks every plan); single-stage it is 156 KB.
+    Single-stage buckets are faster on ragged rows (their out bitwise equal) and slower on full
+    rows, hence an option, or a choice per call from row counts (``fwd_buckets_64="auto"``,
+    ``cheaper_buckets_64``)."""
     if n_blocks < 8:
         return [(0, n_blocks, 2)]
     if head_block(hg_pad) >= 64:
@@ -97,8 +94,8 @@ def forward_launches(hg_pad: int, n_blocks: int, buckets: int, buckets_64: int =
     return [(lo, hi, 2) for lo, hi in forward_buckets(n_blocks, buckets)]
 
 
-# cost of one computed slot block of a 64-row tile, single-stage vs two-stage (one launch each,
-# W2 H64: 4.88 vs 4.38 ms, benchmarks/results/2026-11-29_h200_v6c_h64_stages_buckets.log)
+# cost of one computed slot block of a 64-row tile, single-stage relative to two-stage (measured:
+# docs/kernels.md)
 SINGLE_STAGE_COST = 1.11
 AUTO_BUCKETS_64 = 8  # buckets of the single-stage plan that ``fwd_buckets_64="auto"`` weighs
 
@@ -153,9 +150,8 @@ class BlockCountsOfLastCall(CountsOfLastCall):
 
 
 # fwd+bwd cost of one row-group entry (64-row tile over R rows' union) relative to one slot of a
-# one-row block: 1.5-1.7 in session 6 (v8b), 0.62-1.00 since both row-group kernels are
-# warp-specialised (session 16, exp33: H8 / H16 / H32 at W1, W2 and random keys over 32k; 1.00 at
-# W2, whose groups share the most keys). With 1.0 one-row blocks run only rows that share no key.
+# one-row block (measured: docs/kernels.md); with 1.0 one-row blocks run only rows that share no
+# key.
 ENTRY_COST = 1.0
 REPROBE_CALLS = 64  # a shape that chose one-row blocks builds the group lists again this often
 

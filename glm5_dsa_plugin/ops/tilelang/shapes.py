@@ -2,7 +2,7 @@
 reads them)."""
 
 BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
-SUPPORTED_SPLITS = {(512, 64), (256, 64)}  # (d_v, d_tail): the splits proven on the H200
+SUPPORTED_SPLITS = {(512, 64), (256, 64)}  # (d_v, d_tail): the splits tested on Hopper
 
 
 def check_split(d_v: int, d_tail: int) -> None:

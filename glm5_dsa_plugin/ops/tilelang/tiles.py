@@ -5,10 +5,11 @@ from tilelang import language as T
 
 from ..contract import EMPTY_ROW_LSE, LN2
 
+
 def valid_slot(idx, n_rows):
     """A slot is valid iff its index is a real kv row (the same test in both modes). Compared in
     int64: with n_rows = kv_rows - 1 TVM rewrites ``idx < n_rows`` into ``idx + 1 < kv_rows``,
-    which in int32 wrapped at 2**31 - 1 and passed that index (session 17, exp39)."""
+    which in int32 wraps at 2**31 - 1 and passes that index."""
     return (idx >= 0) & (T.cast(idx, "int64") < T.cast(n_rows, "int64"))
 
 
@@ -66,9 +67,9 @@ def gather_row(idx, n_rows, select):
 def exp_base(m):
     """The running max m [fp32] as the exponents' base: m, or 0 while m is -inf (every slot so far
     masked), so that exp2(s * c - base * c) and the rescale exp2((m_old - base) * c) are 0, not
-    NaN, for such a row. The running max starts at -inf: a finite start (-2^30 until session 22)
-    underflowed every p of a row whose scores all lay 2048 or more below it (out 0 and an empty
-    row's lse, silently: exp51)."""
+    NaN, for such a row. The running max starts at -inf: a finite start (such as -2^30) would
+    underflow every p of a row whose scores all lie 2048 or more below it (out 0 and an empty
+    row's lse, silently)."""
     return T.if_then_else(m == -T.infinity(T.float32), T.float32(0), m)
 
 
@@ -120,8 +121,8 @@ def row_delta(w, od, od_sum, delta, seq_len, load_rows, h_blk, d_v, do_from_shar
     at a time (od [h_blk, DELTA_COLS]: a small fragment beside the dQ accumulator).
     ``do_from_shared``: dO from the tile already in w.do_s (the caller synchronised after
     loading it) instead of global memory; ``unrolled``: the column steps unrolled, so every
-    step's O load can be in flight at once (the warp-specialised backward, exp47: -2.6% of the
-    W2 H64 kernel with one-row tiles, +1.8% at H8 with row groups of 8, where it stays serial)."""
+    step's O load can be in flight at once (the warp-specialised backward with one-row tiles;
+    with row groups it stays serial, where unrolling was slower)."""
     T.clear(delta)
     for c in (T.unroll(d_v // DELTA_COLS) if unrolled else T.serial(d_v // DELTA_COLS)):
         for h, d in T.Parallel(h_blk, DELTA_COLS):
