@@ -126,7 +126,8 @@ def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes:
       uint8 member byte per padded slot); an upper bound, since ``row_groups="auto"`` drops them
       for shapes whose rows share no key;
     * ``indexer``: the indexer's q, k and weights in a layer that computes indices."""
-    from .ops.tilelang_backend import TileLangBackend, padded_topk
+    from .ops.tilelang.backend import TileLangBackend
+    from .ops.tilelang.plan import padded_topk
 
     H = card["num_attention_heads"] // tp
     S_loc = seq // cp

@@ -1,4 +1,4 @@
-"""Time the guard's device-side backward repair (``ops.row_repair``) on the H200 and check it.
+"""Time the guard's device-side backward repair (``ops.guard.row_repair``) on the H200 and check it.
 
 W1 H64 (T=4096, T_kv=8192, topk 2048, all valid): the three launches with the flag clear (the
 happy path's cost), and with 1% of the query rows' dq poisoned, and with 4 kv rows' dkv
@@ -15,7 +15,8 @@ import torch
 from triton.testing import do_bench
 
 from glm5_dsa_plugin.ops import reference as ref
-from glm5_dsa_plugin.ops.row_repair import repair_backward_rows
+from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, Flag
+from glm5_dsa_plugin.ops.guard.row_repair import repair_backward_rows
 from glm5_dsa_plugin.ops.workloads import w1_indices
 
 
@@ -56,14 +57,14 @@ def main():
 
         def run(poison):
             dq, dkv = dq0.clone(), dkv0.clone()
-            flags = torch.zeros(8, dtype=torch.int32, device="cuda")
+            flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
             if poison == "dq":
                 dq[0, bad_q, 3, 7] = float("nan")
             if poison == "dq1":
                 dq[0, bad_q[:1], 3, 7] = float("nan")
             if poison == "dkv":
                 dkv[0, bad_kv, 0, 9] = float("nan")
-            flags[1] = int(poison is not None)
+            flags[Flag.NONFINITE] = int(poison is not None)
             repair_backward_rows(q, kv, idx, do, scale, DV, dq, dkv, flags, **kw)
             return dq, dkv, flags
 

@@ -54,10 +54,11 @@ def make_impls(has_mcore):
     # block over their keys' union); "ours_r1" is one query row per block. Both in the same run
     try:
         from glm5_dsa_plugin.ops.backends import register_backend
-        from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+        from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
-        register_backend("tilelang_classic", lambda: TileLangBackend(fwd_warp_specialized=False,
-                                                                      bwd_warp_specialized=False),
+        register_backend("tilelang_classic",
+                         lambda: TileLangBackend()._with_choices(fwd_warp_specialized=False,
+                                                                 bwd_warp_specialized=False),
                          replace=True)
         register_backend("tilelang_r1", lambda: TileLangBackend(row_groups=False), replace=True)
         impls["ours_classic"] = lambda q, kv, i: sparse_mla(q, kv, i, SCALE, d_v=D_V, backend="tilelang_classic")
@@ -81,7 +82,8 @@ def prebuild(impls, heads, extras=True):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from glm5_dsa_plugin.ops.tilelang_backend import AUTO_BUCKETS_64, TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.plan import AUTO_BUCKETS_64
 
     def run(job):
         try:
@@ -100,7 +102,7 @@ def prebuild(impls, heads, extras=True):
         if name == "deterministic":
             out = sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang", deterministic=True)[0]
         elif name == "unsafe":  # the fix-cost rows' kernels
-            be = TileLangBackend(safe=False)
+            be = TileLangBackend()._with_choices(safe=False)
             o, l = be.forward(q[None].detach(), kv[None].detach(), idx[None], SCALE, D_V)
             be.backward(q[None].detach(), kv[None].detach(), idx[None], o, l, torch.ones_like(o), SCALE, D_V)
             return
@@ -122,12 +124,12 @@ def prebuild(impls, heads, extras=True):
 def fix_cost(gen, idx, T, T_kv, H=64):
     """W1 backend forward / backward ms: the shipped default, and safe vs unsafe kernels of the same
     (single-warpgroup) forward and backward, i.e. what the padding / bounds fixes cost."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     out = {}
-    for label, be in (("default", TileLangBackend()), ("safe=True", TileLangBackend(fwd_warp_specialized=False,
-                                                                                     bwd_warp_specialized=False)),
-                      ("safe=False", TileLangBackend(safe=False))):
+    classic = TileLangBackend()._with_choices(fwd_warp_specialized=False, bwd_warp_specialized=False)
+    for label, be in (("default", TileLangBackend()), ("safe=True", classic),
+                      ("safe=False", TileLangBackend()._with_choices(safe=False))):
         q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
         kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(1, T, H, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -142,7 +144,7 @@ def guard_repair_cost(gen, frac=0.01):
     import warnings
 
     from glm5_dsa_plugin.ops import backends
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     class OnePercentNaN(TileLangBackend):
         name = "tilelang_nan1pct"
@@ -448,15 +450,15 @@ def main():
         extra["W2_H64_guard_scan_fwd_ms"] = bench(lambda: flag_nonfinite(o_, flags, 1, l_))
         # what the guard runs for the TileLang backend (kv clean: lse read, out rows only if unusual)
         from glm5_dsa_plugin.ops import EMPTY_ROW_LSE
-        from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, KV_SUSPECT_SLOT
-        from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+        from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, Flag
+        from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
         from glm5_dsa_plugin.ops.triton_helpers import check_forward
 
         gated = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
         bound = TileLangBackend().finite_out_lse_bound(SCALE, idx.shape[-1])
         ext_ = (idx >= 0).any(-1).to(torch.int32)  # (as row_extent: > 0 where a row has a valid slot)
         extra["W2_H64_guard_check_fwd_gated_ms"] = bench(
-            lambda: check_forward(o_, l_, gated, 1, KV_SUSPECT_SLOT, bound, EMPTY_ROW_LSE, ext_,
+            lambda: check_forward(o_, l_, gated, Flag.NONFINITE, Flag.KV_SUSPECT, bound, EMPTY_ROW_LSE, ext_,
                                   l_.shape[-1] // ext_.shape[-1]))
         assert gated.tolist() == [0] * FLAG_SLOTS
         dq_, dkv_ = torch.randn_like(q), torch.randn_like(kv)

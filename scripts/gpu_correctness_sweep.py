@@ -47,7 +47,7 @@ def make_indices(context: str, T: int, topk: int, G: int, gen: torch.Generator) 
 
 def run_case(case: dict) -> list[dict]:
     """fwd+bwd of every variant of one case against the reference -> one result row per variant."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     H, G, topk, context, T = case["H"], case["G"], case["topk"], case["context"], case["T"]
     gen = torch.Generator(device=DEVICE).manual_seed(case["seed"])

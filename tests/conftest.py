@@ -23,9 +23,9 @@ def pytest_collection_modifyitems(config, items):
 def no_deterministic_backend():
     """Registers "no_det": the reference's math behind a backend with no deterministic mode."""
     from glm5_dsa_plugin.ops import register_backend
-    from glm5_dsa_plugin.ops.backends import ReferenceBackend, unregister_backend
+    from glm5_dsa_plugin.ops.backends import Backend, ReferenceBackend, unregister_backend
 
-    class NoDeterministic:
+    class NoDeterministic(Backend):
         name = "no_det"
         _ref = ReferenceBackend()
 

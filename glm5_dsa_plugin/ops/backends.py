@@ -7,40 +7,84 @@ A backend (see :class:`Backend`) is registered under its name with :func:`regist
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
 from . import reference
 
 
-class Backend(Protocol):
-    """A sparse-MLA implementation. A backend whose kernels are memory-safe for *any* index value
-    may set ``memory_safe_on_any_index = True``; it then receives ``forward(..., index_flag=f)``
-    (int32 [1] on the device, zero) and must make ``f`` nonzero when some index lies outside
-    {-1} U [0, T_kv), without a host sync: the guard reads it after the kernel, with its own flag.
+class Backend:
+    """A sparse-MLA implementation, registered under its ``name`` with :func:`register_backend`.
 
-    Optional, for a backend that prepares its inputs (e.g. rewritten indices) once per call:
-    ``forward_saving(...) -> (out, lse, saved)``, ``saved`` a tuple of tensors autograd keeps in
-    place of (kv, indices); ``backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v)``;
-    ``originals(saved, topk) -> (kv, indices)`` for the guard's reference repair, and optionally
-    ``padded_views(saved, topk) -> (kv, indices)`` as views without a copy, where a slot is valid
-    iff 0 <= index < T_kv (the guard's device-side repair reads these on every backward). With
-    ``reports_nonfinite = True`` its ``backward_saved`` also takes ``nonfinite_flag`` (int32 [1])
-    and sets it when dq or dkv holds NaN/inf, so the guard makes no pass of its own. With
-    ``finite_out_lse_bound(sm_scale, topk) -> float | None`` and ``row_extent(saved)``, its
-    ``forward_saving`` also takes ``kv_flag`` (int32 [1]) and sets it when kv is suspect; a bound
-    B promises that a row is finite and exact when its lse is finite with |lse| <= B, or when it
-    is empty (EMPTY_ROW_LSE) with extent 0, while that flag is clear: the guard then reads only
-    lse, and out when the flag is set, and recomputes the other rows (``guard._check_forward``)."""
+    A backend implements :meth:`available`, :meth:`forward` and :meth:`backward` (tensors in the
+    layout of ``contract.py``: q [B, T, H, Dqk], kv [B, T_kv, G, Dqk], indices [B, T, G, topk]
+    int32). Everything else is an optional capability; the defaults here describe a backend
+    without it, and the op and the guard call these members without probing for them.
+    """
 
-    name: str
+    name: str = ""
+    #: True when no index value can make the kernels touch memory out of bounds. The backend
+    #: then receives ``forward(..., index_flag=f)`` (int32 [1] on the device, zero) and must make
+    #: ``f`` nonzero, without a host sync, when some index lies outside {-1} U [0, T_kv): the guard
+    #: reads it after the kernel, with its own flags, instead of validating before the call.
+    memory_safe_on_any_index: bool = False
+    #: True when :meth:`backward_saved` takes ``nonfinite_flag`` (int32 [1]) and sets it when dq or
+    #: dkv holds NaN / inf, so the guard makes no finiteness pass of its own over them.
+    reports_nonfinite: bool = False
 
-    def available(self) -> tuple[bool, str]: ...  # (usable here, reason)
+    def available(self) -> tuple[bool, str]:
+        """(usable here, the reason)."""
+        raise NotImplementedError
 
-    def forward(self, q, kv, indices, sm_scale: float, d_v: int): ...  # -> (out, lse), contract.py layout
+    def forward(self, q, kv, indices, sm_scale: float, d_v: int, **flags):
+        """-> (out [B, T, H, d_v], lse [B, T, H] fp32). ``flags``: ``index_flag`` (see
+        :attr:`memory_safe_on_any_index`), ``kv_flag`` (see :meth:`finite_out_lse_bound`)."""
+        raise NotImplementedError
 
-    def backward(self, q, kv, indices, out, lse, grad_out, sm_scale: float, d_v: int): ...  # -> (dq, dkv)
+    def backward(self, q, kv, indices, out, lse, grad_out, sm_scale: float, d_v: int):
+        """-> (dq, dkv) in the dtypes of q and kv."""
+        raise NotImplementedError
+
+    def forward_saving(self, q, kv, indices, sm_scale: float, d_v: int, **flags):
+        """-> (out, lse, saved): ``saved``, a tuple of tensors, is what autograd keeps in place of
+        (kv, indices) for :meth:`backward_saved`. A backend that prepares its inputs (e.g.
+        rewritten indices) once per call keeps them here; the default keeps (kv, indices)."""
+        out, lse = self.forward(q, kv, indices, sm_scale, d_v, **flags)
+        return out, lse, (kv, indices)
+
+    def backward_saved(self, q, saved, out, lse, grad_out, sm_scale: float, d_v: int, nonfinite_flag=None):
+        """-> (dq, dkv) from :meth:`forward_saving`'s ``saved``; ``nonfinite_flag`` only when
+        :attr:`reports_nonfinite`."""
+        return self.backward(q, *saved, out, lse, grad_out, sm_scale, d_v)
+
+    def originals(self, saved: tuple, topk: int):
+        """(kv, indices) of the call that returned ``saved``, as the caller passed them (the
+        guard's reference repair and dumps read these)."""
+        return saved[0], saved[1]
+
+    def padded_views(self, saved: tuple, topk: int):
+        """(kv, indices) as views of ``saved`` without a copy, where a slot is valid iff
+        0 <= index < T_kv (the guard's device-side repair reads these on every backward)."""
+        return self.originals(saved, topk)
+
+    def finite_out_lse_bound(self, sm_scale: float, topk: int) -> float | None:
+        """None, or a bound B with which :meth:`forward_saving` also takes ``kv_flag`` (int32 [1])
+        and sets it when kv is suspect. While that flag is clear, B promises that a row is finite
+        and exact when its lse is finite with |lse| <= B, or when it is empty (EMPTY_ROW_LSE) with
+        :meth:`row_extent` 0: the guard then reads only lse (and out when the flag is set) and
+        recomputes the other rows."""
+        return None
+
+    def row_extent(self, saved: tuple):
+        """int32 [B, T, G]: 1 + the position of each row's last valid slot, 0 for a row without one
+        (needed with :meth:`finite_out_lse_bound`)."""
+        raise NotImplementedError(f"backend {self.name!r} has a finite_out_lse_bound but no row_extent")
+
+    def deterministic_variant(self, device: torch.device | None = None) -> "Backend":
+        """The backend whose backward is bitwise reproducible on ``device``, or a ValueError
+        saying why there is none."""
+        raise ValueError(f"sparse_mla(deterministic=True): backend {self.name!r} has no deterministic mode")
 
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {}
@@ -71,7 +115,11 @@ def get_backend(name: str) -> Backend:
     if name not in _REGISTRY:
         raise ValueError(f"unknown sparse-MLA backend {name!r}; registered: {registered_backends()} or 'auto'")
     if name not in _INSTANCES:
-        _INSTANCES[name] = _REGISTRY[name]()
+        instance = _REGISTRY[name]()
+        if not isinstance(instance, Backend):
+            raise TypeError(f"the factory of sparse-MLA backend {name!r} returned a {type(instance).__name__}, "
+                            "not a glm5_dsa_plugin.ops.backends.Backend")
+        _INSTANCES[name] = instance
     return _INSTANCES[name]
 
 
@@ -101,7 +149,7 @@ def resolve(name: str, device: torch.device) -> Backend:
     return get_backend(chosen)
 
 
-class ReferenceBackend:
+class ReferenceBackend(Backend):
     """Chunked PyTorch reference (CPU and CUDA, any float dtype)."""
 
     name = "reference"
@@ -115,9 +163,17 @@ class ReferenceBackend:
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
         return reference.backward(q, kv, indices, grad_out, sm_scale, d_v)
 
+    def deterministic_variant(self, device: torch.device | None = None) -> Backend:
+        """Itself: index_add_ accumulates dkv deterministically on CPU and, on CUDA, only under
+        torch.use_deterministic_algorithms(True) (megatron's --deterministic-mode sets it)."""
+        if device is not None and device.type != "cpu" and not torch.are_deterministic_algorithms_enabled():
+            raise ValueError("sparse_mla(deterministic=True): the reference backend's index_add_ uses atomics on "
+                             f"{device.type}; use backend='tilelang' or torch.use_deterministic_algorithms(True)")
+        return self
+
 
 def _tilelang_factory() -> Backend:
-    from .tilelang_backend import TileLangBackend
+    from .tilelang.backend import TileLangBackend
 
     return TileLangBackend()
 
@@ -125,17 +181,3 @@ def _tilelang_factory() -> Backend:
 register_backend("reference", ReferenceBackend)
 register_backend("tilelang", _tilelang_factory)
 
-
-def deterministic_variant(impl: Backend, device: torch.device) -> Backend:
-    """The backend whose backward is bitwise reproducible, or a clear error when there is none."""
-    if isinstance(impl, ReferenceBackend):
-        # the reference accumulates dkv with index_add_, which is deterministic on CPU and, on CUDA,
-        # only under torch.use_deterministic_algorithms(True) (megatron's --deterministic-mode sets it)
-        if device.type != "cpu" and not torch.are_deterministic_algorithms_enabled():
-            raise ValueError("sparse_mla(deterministic=True): the reference backend's index_add_ uses atomics on "
-                             f"{device.type}; use backend='tilelang' or torch.use_deterministic_algorithms(True)")
-        return impl
-    make = getattr(impl, "deterministic_variant", None)
-    if make is None:
-        raise ValueError(f"sparse_mla(deterministic=True): backend {impl.name!r} has no deterministic mode")
-    return make()

@@ -76,7 +76,7 @@ def sparse_mla(
             before any kernel runs. Either way the error names the first bad entry. Only trusted
             callers that already guarantee the index rule should pass False.
         deterministic: dq/dkv bitwise identical from run to run (TileLang: dKV reduced per kv row
-            in a fixed order instead of fp32 atomics; slower, see benchmarks/NOTES.md; the
+            in a fixed order instead of fp32 atomics; slower, see docs/kernels.md; the
             reference is deterministic on CPU, and on CUDA under torch.use_deterministic_algorithms).
             The forward is deterministic either way. The Megatron attention module passes
             ``config.deterministic_mode``.
@@ -95,9 +95,9 @@ def sparse_mla(
     q4, kv4, idx4, prob = canonicalize(q, kv, indices, sm_scale, d_v)
     impl = _backends.resolve(backend, q4.device)
     if deterministic:
-        impl = _backends.deterministic_variant(impl, q4.device)
+        impl = impl.deterministic_variant(q4.device)
     # a backend memory-safe for any index checks them during the kernel (flag read with the guard's)
-    defer = validate and bool(getattr(impl, "memory_safe_on_any_index", False))
+    defer = validate and impl.memory_safe_on_any_index
     if validate and not defer:
         check_indices(idx4, prob.seq_len_kv)
     backward_follows = torch.is_grad_enabled() and (q4.requires_grad or kv4.requires_grad)

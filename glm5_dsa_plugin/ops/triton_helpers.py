@@ -29,7 +29,7 @@ import triton.language as tl
 
 # kv entries at or above this magnitude (or NaN / inf) make kv "suspect" (prepare_indices'
 # kv_flag). Below it, a softmax-weighted mean of at most 2^27 kv rows stays far inside bf16 / fp32
-# range (tilelang_backend.TileLangBackend.finite_out_lse_bound says when that is enough).
+# range (tilelang.backend.TileLangBackend.finite_out_lse_bound says when that is enough).
 KV_SUSPECT_BOUND = 2.0**100
 
 

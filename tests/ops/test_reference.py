@@ -264,3 +264,37 @@ def test_deterministic_flag(no_deterministic_backend):
     with pytest.raises(ValueError, match="backend 'no_det' has no deterministic mode"):
         sparse_mla(q, kv, idx, 0.3, d_v=8, backend=no_deterministic_backend, deterministic=True)
     sparse_mla(q, kv, idx, 0.3, d_v=8, backend=no_deterministic_backend)
+
+
+def test_backend_base_class_defaults_and_registry_type_check(no_deterministic_backend):
+    """A backend that implements only available / forward / backward runs through the op and the
+    guard on the base class's defaults (saved = (kv, indices), no flags of its own); a factory
+    that returns something other than a ``Backend`` is refused with a message naming the backend."""
+    from glm5_dsa_plugin.ops import get_backend, register_backend
+    from glm5_dsa_plugin.ops.backends import unregister_backend
+
+    be = get_backend(no_deterministic_backend)
+    assert not be.memory_safe_on_any_index and not be.reports_nonfinite
+    assert be.finite_out_lse_bound(0.3, 4) is None
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 5, 2, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(1, 7, 1, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(-1, 7, (1, 5, 1, 3), generator=gen, dtype=torch.int32)
+    out, lse, saved = be.forward_saving(q, kv, idx, 0.3, 8)
+    assert saved[0] is kv and saved[1] is idx and be.originals(saved, 3) == (kv, idx)
+    g = torch.randn(1, 5, 2, 8, generator=gen, dtype=torch.float64)
+    out, _ = sparse_mla(q, kv, idx, 0.3, d_v=8, backend=no_deterministic_backend)
+    dq, dkv = torch.autograd.grad(out, (q, kv), g)
+    r_dq, r_dkv = ref.backward(q.detach(), kv.detach(), idx, g, 0.3, 8)
+    torch.testing.assert_close(dq, r_dq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dkv, r_dkv, rtol=1e-12, atol=1e-12)
+
+    class NotABackend:
+        name = "not_a_backend"
+
+    register_backend("not_a_backend", NotABackend, replace=True)
+    try:
+        with pytest.raises(TypeError, match="'not_a_backend' returned a NotABackend, not a .*Backend"):
+            get_backend("not_a_backend")
+    finally:
+        unregister_backend("not_a_backend")

@@ -8,9 +8,10 @@ rebuild, in fp32 and the reference's math, exactly what the host-side repair reb
 Backward (``repair_backward_rows``, three launches):
 
 1. ``_mark_bad_rows``: per kv row (b, s): ``bad_kv[b, s] = dkv[b, s]`` holds NaN/inf (any
-   group, any channel); a bad row's fp32 accumulator is zeroed; ``flags[4]`` counts bad rows.
-   Per query row (b, t): ``bad_q[b, t] = dq[b, t]`` holds NaN/inf (any head); ``flags[3]``
+   group, any channel); a bad row's fp32 accumulator is zeroed; ``Flag.KV_ROWS_REPAIRED``
    counts them.
+   Per query row (b, t): ``bad_q[b, t] = dq[b, t]`` holds NaN/inf (any head);
+   ``Flag.ROWS_REPAIRED`` counts them.
 2. ``_repair_query_rows``: per query row (b, t) and block of heads of one group (rows in
    blocks of ``ROWS_PER_PROGRAM`` per program): the row is recomputed when its dq is nonfinite
    anywhere (all heads) or when one of its slots selects a bad kv row. Three passes over its
@@ -22,15 +23,16 @@ Backward (``repair_backward_rows``, three launches):
 3. ``_write_bad_kv_rows``: bad kv rows of dkv <- their accumulators.
 
 Forward (``repair_forward_rows``, two launches): ``_mark_bad_out_rows`` marks the query rows
-whose out or lse holds NaN/inf (any head; ``flags[3]`` counts them), then
+whose out or lse holds NaN/inf (any head; ``Flag.ROWS_REPAIRED`` counts them), then
 ``_repair_forward_rows`` recomputes out and lse of every head of those rows (two passes over the
 slots: softmax max/denominator, then sum p * v), the contract's values for a row with no valid
 slot included (out 0, lse ``EMPTY_ROW_LSE``).
 
-``flags[2]`` is set when a repaired value is still nonfinite (the inputs themselves are bad).
-Flags (int32, device): [1] some output nonfinite (set by the call's check), [2] still nonfinite
-after repair, [3] query rows repaired, [4] kv rows repaired. Slots are valid iff 0 <= idx < T_kv, so a
-backend's prepared indices (padding rewritten to a sentinel row index T_kv) are read as they are.
+Flags: the guard's int32 buffer on the device (``slots.Flag``): the launches run only when
+``Flag.NONFINITE`` is set (by the call's check); ``Flag.STILL_NONFINITE`` is set when a repaired
+value is still nonfinite (the inputs themselves are bad). Slots are valid iff 0 <= idx < T_kv,
+so a backend's prepared indices (padding rewritten to a sentinel row index T_kv) are read as
+they are.
 Math in fp32 accumulators on the tensor cores: bf16 inputs multiply as they are (exact
 products), fp32 factors (p, dS) as hi + lo bf16 halves (about 16 mantissa bits); other input
 dtypes as three TF32 products. Outputs in the dtype of the repaired tensor. Runs under
@@ -45,14 +47,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import EMPTY_ROW_LSE
-from .triton_helpers import _any_nonfinite, _has_nonfinite
+from ..contract import EMPTY_ROW_LSE
+from ..triton_helpers import _any_nonfinite, _has_nonfinite
+from .slots import Flag
+
+# the guard's flag slots as compile-time constants of the kernels
+_NONFINITE = tl.constexpr(int(Flag.NONFINITE))
+_STILL_NONFINITE = tl.constexpr(int(Flag.STILL_NONFINITE))
+_ROWS_REPAIRED = tl.constexpr(int(Flag.ROWS_REPAIRED))
+_KV_ROWS_REPAIRED = tl.constexpr(int(Flag.KV_ROWS_REPAIRED))
 
 HEADS_PER_PROGRAM = 16  # rows of each tl.dot (its minimum M)
 SLOTS_PER_STEP = 32
 # query rows per program: with the flag clear every program only reads it, so fewer programs
-# mean fewer waves of a kernel that fits one or two per SM (no measured difference at W2 H64:
-# guard overhead +1.6% with 1 and with 32 rows, benchmarks/NOTES.md session 5)
+# mean fewer waves of a kernel that fits one or two per SM
 ROWS_PER_PROGRAM = 32
 # dots of inputs other than bf16 (and under TRITON_INTERPRET): fp32 operands as three TF32
 # products on the tensor cores, about fp32 accuracy ("ieee": plain FMA)
@@ -72,7 +80,7 @@ def _row_has_nonfinite(X, r, ROW: tl.constexpr, BLOCK: tl.constexpr):
 def _mark_bad_rows(DKV, BAD_KV, ACC, n_kv_rows, DQ, BAD_Q, FLAGS, KV_ROW: tl.constexpr, Q_ROW: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Programs [0, n_kv_rows): kv row r of DKV; the rest: query row r - n_kv_rows of DQ."""
-    if tl.load(FLAGS + 1) != 0:
+    if tl.load(FLAGS + _NONFINITE) != 0:
         r = tl.program_id(0).to(tl.int64)
         if r < n_kv_rows:
             bad = _row_has_nonfinite(DKV, r, KV_ROW, BLOCK)
@@ -81,18 +89,18 @@ def _mark_bad_rows(DKV, BAD_KV, ACC, n_kv_rows, DQ, BAD_Q, FLAGS, KV_ROW: tl.con
                 for c in range(0, KV_ROW, BLOCK):
                     offs = c + tl.arange(0, BLOCK)
                     tl.store(ACC + r * KV_ROW + offs, tl.zeros([BLOCK], tl.float32), mask=offs < KV_ROW)
-                tl.atomic_add(FLAGS + 4, 1)
+                tl.atomic_add(FLAGS + _KV_ROWS_REPAIRED, 1)
         else:
             r -= n_kv_rows
             bad = _row_has_nonfinite(DQ, r, Q_ROW, BLOCK)
             tl.store(BAD_Q + r, bad)
             if bad > 0:
-                tl.atomic_add(FLAGS + 3, 1)
+                tl.atomic_add(FLAGS + _ROWS_REPAIRED, 1)
 
 
 @triton.jit
 def _write_bad_kv_rows(DKV, BAD_KV, ACC, FLAGS, row_elems: tl.constexpr, BLOCK: tl.constexpr):
-    if tl.load(FLAGS + 1) != 0:
+    if tl.load(FLAGS + _NONFINITE) != 0:
         r = tl.program_id(0).to(tl.int64)
         if tl.load(BAD_KV + r) != 0:
             still = 0
@@ -103,7 +111,7 @@ def _write_bad_kv_rows(DKV, BAD_KV, ACC, FLAGS, row_elems: tl.constexpr, BLOCK: 
                 tl.store(DKV + r * row_elems + offs, x, mask=m)
                 still = tl.maximum(still, _has_nonfinite(x))
             if still > 0:
-                tl.atomic_max(FLAGS + 2, 1)
+                tl.atomic_max(FLAGS + _STILL_NONFINITE, 1)
 
 
 @triton.jit
@@ -197,7 +205,7 @@ def _repair_query_rows(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, n_rows, T,
     [B, T, H, D_V + D_T], DO [B, T, H, D_V] and ACC [B, T_kv, G, D_V + D_T] contiguous; KV and
     IDX strided. Rows are marked bad (BAD_Q) by an earlier launch: a head block must not judge
     its row from dq that another block of the same row may already have repaired."""
-    if tl.load(FLAGS + 1) != 0:
+    if tl.load(FLAGS + _NONFINITE) != 0:
         n_hb = tl.cdiv(HG, HB)
         g, hb = tl.program_id(1) // n_hb, tl.program_id(1) % n_hb
         for rr in range(ROWS):
@@ -222,7 +230,7 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
     i_base = b * s_ib + t * s_it + g * s_ig
     kv_base = b * s_kb + g * s_kg
     sel_bad = 0
-    if tl.load(FLAGS + 4) != 0:
+    if tl.load(FLAGS + _KV_ROWS_REPAIRED) != 0:
         for s0 in range(0, K, BS):
             so = s0 + tl.arange(0, BS)
             i = tl.load(IDX + i_base + so, mask=so < K, other=-1)
@@ -267,7 +275,7 @@ def _repair_one_row(Q, KV, IDX, DO, DQ, BAD_KV, BAD_Q, ACC, FLAGS, row, g, hb, T
             tl.store(DQ + qrow + ov[None, :], x_v, mask=mh[:, None] & mv[None, :])
             tl.store(DQ + qrow + D_V + ot[None, :], x_t, mask=mh[:, None] & mt[None, :])
             if tl.maximum(tl.max(_has_nonfinite(x_v)), tl.max(_has_nonfinite(x_t))) > 0:
-                tl.atomic_max(FLAGS + 2, 1)
+                tl.atomic_max(FLAGS + _STILL_NONFINITE, 1)
 
 
 def _check_repair_args(fn: str, repaired: dict, kv: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor) -> None:
@@ -278,8 +286,8 @@ def _check_repair_args(fn: str, repaired: dict, kv: torch.Tensor, indices: torch
             raise ValueError(f"{fn}: {name} must be contiguous (repaired in place)")
     if kv.stride(-1) != 1 or indices.stride(-1) != 1:
         raise ValueError(f"{fn}: kv and indices need unit stride in their last dim")
-    if flags.dtype != torch.int32 or flags.numel() < 5:
-        raise ValueError(f"{fn}: flags must be int32 with >= 5 slots")
+    if flags.dtype != torch.int32 or flags.numel() <= Flag.KV_ROWS_REPAIRED:
+        raise ValueError(f"{fn}: flags must be int32 with >= {Flag.KV_ROWS_REPAIRED + 1} slots (guard.Flag)")
 
 
 def _query_row_launch(q, kv, indices, d_v, precision, slots_per_step, rows_per_program, bf16_dots):
@@ -307,13 +315,14 @@ def repair_backward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
                          flags: torch.Tensor, precision: str = DOT_PRECISION, slots_per_step: int = SLOTS_PER_STEP,
                          num_warps: int = 8, rows_per_program: int = ROWS_PER_PROGRAM,
                          bf16: bool | None = None) -> None:
-    """Repair dq [B,T,H,Dqk] and dkv [B,T_kv,G,Dqk] (contiguous) in place when ``flags[1] != 0``
-    (module docstring); q [B,T,H,Dqk], grad_out [B,T,H,d_v], kv [B,T_kv,G,Dqk] and indices
-    [B,T,G,K] as the call saw them (kv and indices may be strided views). ``flags``: int32 [>= 5],
-    device. Three launches, no host sync; with ``flags[1] == 0`` they only read it.
-    ``precision`` / ``slots_per_step`` / ``num_warps`` / ``rows_per_program``: the query-row
-    kernel's fp32 dot precision ("tf32x3" or "ieee"), slots per step, warps and rows per program;
-    ``bf16=False`` forces fp32 dots for bf16 inputs (scripts/bench_row_repair.py times them)."""
+    """Repair dq [B,T,H,Dqk] and dkv [B,T_kv,G,Dqk] (contiguous) in place when
+    ``flags[Flag.NONFINITE] != 0`` (module docstring); q [B,T,H,Dqk], grad_out [B,T,H,d_v], kv
+    [B,T_kv,G,Dqk] and indices [B,T,G,K] as the call saw them (kv and indices may be strided
+    views). ``flags``: the guard's int32 buffer, on the device. Three launches, no host sync;
+    with ``flags[Flag.NONFINITE] == 0`` they only read it. ``precision`` / ``slots_per_step`` /
+    ``num_warps`` / ``rows_per_program``: the query-row kernel's fp32 dot precision ("tf32x3" or
+    "ieee"), slots per step, warps and rows per program; ``bf16=False`` forces fp32 dots for bf16
+    inputs (scripts/bench_row_repair.py times them)."""
     B, T, H, D = q.shape
     T_kv, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
     _check_repair_args("repair_backward_rows", {"dq": dq, "dkv": dkv}, kv, indices, flags)
@@ -339,12 +348,12 @@ def repair_backward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 @triton.jit
 def _mark_bad_out_rows(OUT, LSE, BAD_Q, FLAGS, O_ROW: tl.constexpr, L_ROW: tl.constexpr, BLOCK: tl.constexpr):
     """Program r: query row r (b * T + t) is bad when its out (O_ROW entries) or lse (L_ROW) holds NaN/inf."""
-    if tl.load(FLAGS + 1) != 0:
+    if tl.load(FLAGS + _NONFINITE) != 0:
         r = tl.program_id(0).to(tl.int64)
         bad = tl.maximum(_row_has_nonfinite(OUT, r, O_ROW, BLOCK), _row_has_nonfinite(LSE, r, L_ROW, BLOCK))
         tl.store(BAD_Q + r, bad)
         if bad > 0:
-            tl.atomic_add(FLAGS + 3, 1)
+            tl.atomic_add(FLAGS + _ROWS_REPAIRED, 1)
 
 
 @triton.jit
@@ -356,7 +365,7 @@ def _repair_forward_rows(Q, KV, IDX, OUT, LSE, BAD_Q, FLAGS, n_rows, T, T_kv, H:
     """Program (block of ROWS query rows b * T + t, g * cdiv(HG, HB) + head block): out / lse of
     the block's heads recomputed for rows marked in BAD_Q. Q [B, T, H, D_V + D_T], OUT [B, T, H, D_V]
     and LSE [B, T, H] contiguous; KV and IDX strided."""
-    if tl.load(FLAGS + 1) != 0:
+    if tl.load(FLAGS + _NONFINITE) != 0:
         n_hb = tl.cdiv(HG, HB)
         g, hb = tl.program_id(1) // n_hb, tl.program_id(1) % n_hb
         ov = tl.arange(0, BV)
@@ -383,19 +392,20 @@ def _repair_forward_rows(Q, KV, IDX, OUT, LSE, BAD_Q, FLAGS, n_rows, T, T_kv, H:
                     tl.store(OUT + (row * H + h[:, None]) * D_V + ov[None, :], x, mask=mh[:, None] & mv[None, :])
                     tl.store(LSE + row * H + h, lse, mask=mh)
                     if tl.maximum(tl.max(_has_nonfinite(x)), _has_nonfinite(lse)) > 0:
-                        tl.atomic_max(FLAGS + 2, 1)
+                        tl.atomic_max(FLAGS + _STILL_NONFINITE, 1)
 
 
 def repair_forward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
                         out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor, precision: str = DOT_PRECISION,
                         slots_per_step: int = SLOTS_PER_STEP, num_warps: int = 8,
                         rows_per_program: int = ROWS_PER_PROGRAM) -> None:
-    """Repair out [B,T,H,d_v] and lse [B,T,H] fp32 (contiguous) in place when ``flags[1] != 0``:
-    every head of a query row whose out or lse holds NaN/inf is recomputed (module docstring);
-    ``flags[3]`` counts those rows, ``flags[2]`` is set when a recomputed value is still
-    nonfinite. q [B,T,H,Dqk]; kv [B,T_kv,G,Dqk] and indices [B,T,G,K] as the call saw them (may
-    be strided views; a slot outside [0, T_kv) counts as padding). ``flags``: int32 [>= 5],
-    device. Two launches, no host sync; with ``flags[1] == 0`` they only read it."""
+    """Repair out [B,T,H,d_v] and lse [B,T,H] fp32 (contiguous) in place when
+    ``flags[Flag.NONFINITE] != 0``: every head of a query row whose out or lse holds NaN/inf is
+    recomputed (module docstring); ``Flag.ROWS_REPAIRED`` counts those rows,
+    ``Flag.STILL_NONFINITE`` is set when a recomputed value is still nonfinite. q [B,T,H,Dqk]; kv
+    [B,T_kv,G,Dqk] and indices [B,T,G,K] as the call saw them (may be strided views; a slot
+    outside [0, T_kv) counts as padding). ``flags``: the guard's int32 buffer, on the device. Two
+    launches, no host sync; with ``flags[Flag.NONFINITE] == 0`` they only read it."""
     B, T, H, _ = q.shape
     T_kv, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
     _check_repair_args("repair_forward_rows", {"out": out, "lse": lse}, kv, indices, flags)

@@ -1,4 +1,4 @@
-"""The guard's device-side backward repair (``ops.row_repair``) in the Triton interpreter on CPU:
+"""The guard's device-side backward repair (``ops.guard.row_repair``) in the Triton interpreter on CPU:
 poisoned dq rows and dkv rows come back equal to the PyTorch reference, every other entry bit
 for bit as it was, the counters and the still-nonfinite flag are right, and with the nonfinite
 flag clear the kernels change nothing (not even poisoned rows)."""
@@ -10,7 +10,9 @@ from triton_interpreter import run_interpreted
 SCRIPT = r"""
 import torch
 from glm5_dsa_plugin.ops import reference
-from glm5_dsa_plugin.ops.row_repair import repair_backward_rows
+from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, Flag
+from glm5_dsa_plugin.ops.guard.row_repair import repair_backward_rows
+COUNTED = (Flag.NONFINITE, Flag.STILL_NONFINITE, Flag.ROWS_REPAIRED, Flag.KV_ROWS_REPAIRED)
 
 g = torch.Generator().manual_seed(0)
 
@@ -38,12 +40,12 @@ def case(B, T, T_kv, H, G, K, d_v, d_t, dtype, sentinel):
     # the saved-input form: padding rewritten to the sentinel T_kv
     idx_in = torch.where(idx < 0, T_kv, idx) if sentinel else idx
     # clear flag: nothing changes
-    flags = torch.zeros(8, dtype=torch.int32)
+    flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32)
     repair_backward_rows(q, kv, idx_in, do, scale, d_v, dq, dkv, flags)
     assert torch.equal(dq.view(torch.int16 if dtype != torch.float32 else torch.int32),
                        before_dq.view(torch.int16 if dtype != torch.float32 else torch.int32)), "flag clear: dq changed"
-    assert flags.tolist() == [0] * 8
-    flags[1] = 1
+    assert flags.tolist() == [0] * FLAG_SLOTS
+    flags[Flag.NONFINITE] = 1
     repair_backward_rows(q, kv, idx_in, do, scale, d_v, dq, dkv, flags)
     rq = torch.zeros(B, T, dtype=torch.bool)
     for b, t in bad_q: rq[b, t] = True
@@ -54,13 +56,13 @@ def case(B, T, T_kv, H, G, K, d_v, d_t, dtype, sentinel):
     torch.testing.assert_close(dkv[rk].float(), want_dkv[rk].float(), **tol)
     assert torch.equal(dq[~rq], before_dq[~rq]) and torch.equal(dkv[~rk], before_dkv[~rk]), "good rows touched"
     assert (dq[0, 1] == 0).all(), "a row with no valid slot has exact-zero dq"
-    assert flags.tolist()[1:5] == [1, 0, len(set(bad_q)), len(set(bad_kv))], flags
-    # bad inputs: a NaN in q makes the repaired row nonfinite -> flags[2]
+    assert [int(flags[f]) for f in COUNTED] == [1, 0, len(set(bad_q)), len(set(bad_kv))], flags
+    # bad inputs: a NaN in q makes the repaired row nonfinite -> Flag.STILL_NONFINITE
     q2 = q.clone(); q2[0, 3, 0, 0] = float("nan")
     dq2, dkv2 = before_dq.clone(), before_dkv.clone()
-    flags = torch.zeros(8, dtype=torch.int32); flags[1] = 1
+    flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32); flags[Flag.NONFINITE] = 1
     repair_backward_rows(q2, kv, idx_in, do, scale, d_v, dq2, dkv2, flags)
-    assert flags[2] == 1, flags
+    assert flags[Flag.STILL_NONFINITE] == 1, flags
 
 case(2, 9, 13, 4, 2, 40, 32, 16, torch.float32, sentinel=False)   # G=2, topk not a multiple of 16
 case(1, 7, 11, 20, 1, 24, 64, 8, torch.bfloat16, sentinel=True)  # 20 heads: two head blocks, one partial
@@ -78,7 +80,9 @@ FORWARD_SCRIPT = r"""
 import torch
 from glm5_dsa_plugin.ops import reference
 from glm5_dsa_plugin.ops.contract import EMPTY_ROW_LSE
-from glm5_dsa_plugin.ops.row_repair import repair_forward_rows
+from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, Flag
+from glm5_dsa_plugin.ops.guard.row_repair import repair_forward_rows
+COUNTED = (Flag.NONFINITE, Flag.STILL_NONFINITE, Flag.ROWS_REPAIRED, Flag.KV_ROWS_REPAIRED)
 
 g = torch.Generator().manual_seed(1)
 
@@ -100,12 +104,12 @@ def case(B, T, T_kv, H, G, K, d_v, d_t, dtype):
     lse[B - 1, 2, 0] = float("inf")
     out[0, 3, 0, d_v - 1] = float("-inf")
     before_out, before_lse = out.clone(), lse.clone()
-    flags = torch.zeros(8, dtype=torch.int32)
+    flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32)
     repair_forward_rows(q, kv, idx, scale, d_v, out, lse, flags)  # flag clear: nothing changes
     assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
                        before_out.view(torch.int16 if dtype != torch.float32 else torch.int32)), "flag clear: out changed"
-    assert torch.equal(lse, before_lse) and flags.tolist() == [0] * 8
-    flags[1] = 1
+    assert torch.equal(lse, before_lse) and flags.tolist() == [0] * FLAG_SLOTS
+    flags[Flag.NONFINITE] = 1
     repair_forward_rows(q, kv, idx, scale, d_v, out, lse, flags)
     rows = torch.zeros(B, T, dtype=torch.bool)
     for b, t in bad: rows[b, t] = True
@@ -114,13 +118,13 @@ def case(B, T, T_kv, H, G, K, d_v, d_t, dtype):
     torch.testing.assert_close(lse[rows], want_lse[rows], rtol=1e-5, atol=1e-5)
     assert torch.equal(out[~rows], before_out[~rows]) and torch.equal(lse[~rows], before_lse[~rows]), "good rows touched"
     assert (out[0, 1] == 0).all() and (lse[0, 1] == EMPTY_ROW_LSE).all(), "empty row: out 0, lse EMPTY_ROW_LSE"
-    assert flags.tolist()[1:5] == [1, 0, len(bad), 0], flags
-    # bad inputs: a NaN in q keeps the recomputed row nonfinite -> flags[2]
+    assert [int(flags[f]) for f in COUNTED] == [1, 0, len(bad), 0], flags
+    # bad inputs: a NaN in q keeps the recomputed row nonfinite -> Flag.STILL_NONFINITE
     q2 = q.clone(); q2[0, 3, 0, 0] = float("nan")
     out2, lse2 = before_out.clone(), before_lse.clone()
-    flags = torch.zeros(8, dtype=torch.int32); flags[1] = 1
+    flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32); flags[Flag.NONFINITE] = 1
     repair_forward_rows(q2, kv, idx, scale, d_v, out2, lse2, flags)
-    assert flags[2] == 1, flags
+    assert flags[Flag.STILL_NONFINITE] == 1, flags
     assert torch.isnan(out2[0, 3, 0]).all() and torch.isnan(lse2[0, 3, 0]), "the NaN head: out and lse NaN"
     assert torch.isfinite(lse2[0, 3, 1:]).all(), "the row's other heads are finite"
 
@@ -134,7 +138,7 @@ idx = torch.randint(0, 20, (1, 3, 1, 16), generator=g, dtype=torch.int32)
 want_out, want_lse = reference.forward(q.double(), kv.double(), idx, 0.125, 32)
 out, lse = torch.zeros(1, 3, 2, 32), torch.zeros(1, 3, 2)
 lse[0, 1] = float("nan")
-flags = torch.zeros(8, dtype=torch.int32); flags[1] = 1
+flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32); flags[Flag.NONFINITE] = 1
 repair_forward_rows(q, kv, idx, 0.125, 32, out, lse, flags)
 assert abs(float(want_lse[0, 1, 0])) > 1e8
 torch.testing.assert_close(out[0, 1].double(), want_out[0, 1], rtol=1e-5, atol=1e-6)

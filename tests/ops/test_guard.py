@@ -9,6 +9,11 @@ import torch
 
 from glm5_dsa_plugin.ops import configure, guard_stats, register_backend, reset_guard_stats, sparse_mla
 from glm5_dsa_plugin.ops import guard
+from glm5_dsa_plugin.ops.guard import events as guard_events
+from glm5_dsa_plugin.ops.guard import pending as guard_pending
+from glm5_dsa_plugin.ops.guard import run as guard_run
+from glm5_dsa_plugin.ops.guard import slots as guard_slots
+from glm5_dsa_plugin.ops.guard.slots import Flag
 from glm5_dsa_plugin.ops import reference as ref
 from glm5_dsa_plugin.ops.backends import ReferenceBackend, unregister_backend
 from glm5_dsa_plugin.ops.contract import index_violation_flag
@@ -254,7 +259,7 @@ def test_deferred_validation_still_raises_with_position_and_value(policy):
 def test_flag_read_under_cuda_graph_capture_is_a_clear_error(faulty, monkeypatch):
     """Inside stream capture no host read is allowed: the guard says what to switch off instead of
     torch's generic capture error; with the guard off and validate=False nothing is read."""
-    monkeypatch.setattr(guard, "_capturing", lambda device: True)
+    monkeypatch.setattr(guard_slots, "capturing", lambda device: True)
     q, kv, idx, g = _inputs()
     with pytest.raises(RuntimeError, match="GLM5_DSA_NONFINITE=off.*validate=False"):
         sparse_mla(q, kv, idx, 0.3, d_v=8, backend="faulty")
@@ -404,7 +409,7 @@ class _FakeEvent:
         self.done = True
 
 
-class _CpuPending(guard._PendingRepairs):
+class _CpuPending(guard_pending.PendingRepairs):
     _new_event = staticmethod(_FakeEvent)
     _stream = staticmethod(lambda device: None)
 
@@ -419,25 +424,27 @@ def test_deferred_backward_flags_are_settled_in_order(faulty, monkeypatch):
     (bad outputs recomputed) follow; a happy call counts nothing; more than MAX_PENDING calls
     wait for the oldest only; a repair that stayed nonfinite raises when settled."""
     pending = _CpuPending()
-    monkeypatch.setattr(guard, "_pending", pending)
+    monkeypatch.setattr(guard_pending, "queue", pending)
     faulty.dq_rows = [(0, 1)]
     q, kv, idx, g = _inputs()
     args = (faulty, q.detach(), (kv.detach(), idx), idx.shape[-1], g, 0.4, 8)
-    call = lambda values: guard._settle_backward_event(values, args)  # noqa: E731
+    call = lambda values: guard_run._settle_backward_event(values, args)  # noqa: E731
 
     def flags(nonfinite, still=0, rows=0, kv_rows=0):
         f = torch.zeros(guard.FLAG_SLOTS, dtype=torch.int32)
-        f[1], f[2], f[3], f[4] = nonfinite, still, rows, kv_rows
+        f[Flag.NONFINITE], f[Flag.STILL_NONFINITE], f[Flag.ROWS_REPAIRED], f[Flag.KV_ROWS_REPAIRED] = \
+            nonfinite, still, rows, kv_rows
         return f
 
     pending.push(flags(1, rows=1, kv_rows=2), call)
-    assert guard._stats.events == 0  # the copy has not arrived
+    assert guard_events.counters.events == 0  # the copy has not arrived
     pending.push(flags(0), call)
     pending._queue[0][2].done = pending._queue[1][2].done = True
     with pytest.warns(RuntimeWarning, match="repaired"):
         pending.settle()
-    assert (guard._stats.events, guard._stats.rows_repaired, guard._stats.kv_rows_repaired) == (1, 1, 2)
-    dump = torch.load(guard._stats.dumps[0], weights_only=False)
+    counters = guard_events.counters
+    assert (counters.events, counters.rows_repaired, counters.kv_rows_repaired) == (1, 1, 2)
+    dump = torch.load(guard_events.counters.dumps[0], weights_only=False)
     assert dump["bad_outputs_recomputed"] and torch.isnan(dump["bad_outputs"]["dq"][0, 1]).any()
     assert not pending._queue and len(pending._spare[torch.device("cpu")]) == 2  # buffers reused
     # MAX_PENDING + 1 unsettled calls: only the oldest is waited for
@@ -446,7 +453,7 @@ def test_deferred_backward_flags_are_settled_in_order(faulty, monkeypatch):
     waited = [e.waited for _, _, e, _, _ in pending._queue]
     assert len(pending._queue) == pending.MAX_PENDING and waited == [0] * pending.MAX_PENDING
     pending.settle(wait_all=True)
-    assert guard._stats.events == 1 and not pending._queue
+    assert guard_events.counters.events == 1 and not pending._queue
     pending.push(flags(1, still=1, rows=1), call)
     with pytest.raises(FloatingPointError, match="even in the reference repair"):
         pending.settle(wait_all=True)
@@ -457,7 +464,7 @@ def test_pending_calls_keep_at_most_pending_bytes_alive(monkeypatch):
     them the oldest are waited for and released, the newest never (one call bigger than the
     budget does not stall its own push); the setting is validated."""
     pending = _CpuPending()
-    monkeypatch.setattr(guard, "_pending", pending)
+    monkeypatch.setattr(guard_pending, "queue", pending)
     settled = []
     flags = torch.zeros(guard.FLAG_SLOTS, dtype=torch.int32)
     try:
@@ -473,7 +480,7 @@ def test_pending_calls_keep_at_most_pending_bytes_alive(monkeypatch):
         assert settled == [0, 1, 2, 3] and pending.held_bytes == 0
         # what a call holds: distinct storages, a view counting its whole storage once
         a = torch.zeros(10, 4)
-        assert guard._storage_bytes(a, a[2:5], a.t(), torch.zeros(3, dtype=torch.int32)) == 160 + 12
+        assert guard_pending.storage_bytes(a, a[2:5], a.t(), torch.zeros(3, dtype=torch.int32)) == 160 + 12
         with pytest.raises(ValueError, match="pending_bytes"):
             configure(pending_bytes=-1)
     finally:
@@ -487,8 +494,8 @@ def test_index_error_of_a_recorded_forward_is_raised_in_its_backward(monkeypatch
     gradients; without a backward, a later call raises it once the flags have arrived; a call
     that no backward follows (no grad) raises before returning, as before."""
     pending = _CpuPending()
-    monkeypatch.setattr(guard, "_pending", pending)
-    monkeypatch.setattr(guard, "_reads_late", lambda device: True)
+    monkeypatch.setattr(guard_pending, "queue", pending)
+    monkeypatch.setattr(guard_slots, "reads_late", lambda device: True)
     register_backend("index_safe_ref", IndexSafeReference, replace=True)
     configure(policy="off")  # the index flag alone (the forward's device repair needs CUDA)
     try:
@@ -526,8 +533,8 @@ def test_deferred_forward_flags_without_grad_settle_later_and_at_exit(monkeypatc
     by the exit hook, which prints the error instead of raising. The default stays eager, and the
     setting is validated (``configure`` and the environment variable)."""
     pending = _CpuPending()
-    monkeypatch.setattr(guard, "_pending", pending)
-    monkeypatch.setattr(guard, "_reads_late", lambda device: True)
+    monkeypatch.setattr(guard_pending, "queue", pending)
+    monkeypatch.setattr(guard_slots, "reads_late", lambda device: True)
     register_backend("index_safe_ref", IndexSafeReference, replace=True)
     configure(policy="off")
     try:
@@ -545,7 +552,7 @@ def test_deferred_forward_flags_without_grad_settle_later_and_at_exit(monkeypatc
                 sparse_mla(q, kv, idx, 0.3, d_v=8, backend="index_safe_ref")
             pending.settle(wait_all=True)  # the good call's flags
             sparse_mla(q, kv, bad, 0.3, d_v=8, backend="index_safe_ref")
-        guard._settle_at_exit()
+        guard_pending.settle_at_exit()
         err = capsys.readouterr().err
         assert "at exit" in err and "row=2, group=0, slot=1] = 11" in err and not pending._queue
         with pytest.raises(ValueError, match="forward_flags"):

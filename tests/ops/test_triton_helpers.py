@@ -5,7 +5,6 @@ torch oracle built from the contract's index rule."""
 
 import pytest
 import torch
-
 from triton_interpreter import run_interpreted
 
 
@@ -134,7 +133,7 @@ for block in (32, 64):
     want = torch.bincount(((ext + block - 1) // block).flatten().long(), minlength=256 // block + 1)
     assert torch.equal(counts, want.to(torch.int32)) and counts[0] >= 1, (counts, want)
 # the TileLang backend's saved inputs give the caller's (kv, indices) back for the guard's repair
-from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 be = TileLangBackend()
 kv = torch.randn(2, 30, 1, 576, generator=g).bfloat16()
 idx = torch.randint(-1, 30, (2, 7, 1, 100), generator=g, dtype=torch.int32)
@@ -203,6 +202,7 @@ def test_finish_backward_converts_drops_sentinel_and_flags_in_interpreter():
 GATED = r"""
 import torch
 from glm5_dsa_plugin.ops.contract import EMPTY_ROW_LSE
+from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, Flag
 from glm5_dsa_plugin.ops.triton_helpers import KV_SUSPECT_BOUND, check_forward, prepare_indices
 
 g = torch.Generator().manual_seed(0)
@@ -232,24 +232,26 @@ for B, T, G, hg, d_v, rows, block in [(1, 7, 2, 2, 16, 4, 8), (2, 5, 1, 3, 24, 8
         doubtful = ((lse.view(-1).abs() > 50.0) & (lse.view(-1) != EMPTY_ROW_LSE)) | (
             (lse.view(-1) == EMPTY_ROW_LSE) & (ext_rows > 0))
         for gate_set in (False, True):
-            flags = torch.zeros(8, dtype=torch.int32)
-            flags[5] = int(gate_set)
+            flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32)
+            flags[Flag.KV_SUSPECT] = int(gate_set)
             l2 = lse.clone()
-            check_forward(out, l2, flags, 1, 5, 50.0, EMPTY_ROW_LSE, extent, hg, rows=rows, block=block)
+            check_forward(out, l2, flags, Flag.NONFINITE, Flag.KV_SUSPECT, 50.0, EMPTY_ROW_LSE, extent, hg, rows=rows,
+                          block=block)
             want = int(bool((~torch.isfinite(lse)).any() or doubtful.any() or (gate_set and (~torch.isfinite(out)).any())))
-            assert flags.tolist() == [0, want, 0, 0, 0, int(gate_set), 0, 0], (flags, want, gate_set)
+            assert flags.tolist() == [want if i == Flag.NONFINITE else int(gate_set) if i == Flag.KV_SUSPECT else 0
+                                      for i in range(FLAG_SLOTS)], (flags, want, gate_set)
             assert torch.isnan(l2.view(-1)[doubtful]).all()
             assert torch.equal(l2.view(-1)[~doubtful].nan_to_num(7.0), lse.view(-1)[~doubtful].nan_to_num(7.0))
             n_flagged[want] += 1
             if not gate_set:  # without extent: empty rows are never doubtful
-                l3, f3 = lse.clone(), torch.zeros(8, dtype=torch.int32)
-                check_forward(out, l3, f3, 1, 5, 50.0, EMPTY_ROW_LSE, rows=rows, block=block)
+                l3, f3 = lse.clone(), torch.zeros(FLAG_SLOTS, dtype=torch.int32)
+                check_forward(out, l3, f3, Flag.NONFINITE, Flag.KV_SUSPECT, 50.0, EMPTY_ROW_LSE, rows=rows, block=block)
                 assert torch.equal((l3 == EMPTY_ROW_LSE), (lse == EMPTY_ROW_LSE))
 assert min(n_flagged.values()) >= 30, n_flagged  # both outcomes exercised
 for bad_args in [dict(lse=torch.zeros(2, 4)), dict(lse=torch.zeros(3, 2).t()),
                  dict(extent=torch.zeros(5, dtype=torch.int32))]:
-    kw = dict(out=torch.zeros(2, 3, 8), lse=torch.zeros(2, 3), flags=torch.zeros(8, dtype=torch.int32), slot=1,
-              gate=5, lse_bound=1.0, empty_lse=-1e30) | bad_args
+    kw = dict(out=torch.zeros(2, 3, 8), lse=torch.zeros(2, 3), flags=torch.zeros(8, dtype=torch.int32), slot=Flag.NONFINITE,
+              gate=Flag.KV_SUSPECT, lse_bound=1.0, empty_lse=-1e30) | bad_args
     if "out" in bad_args or kw["lse"].shape != (2, 3):
         kw["out"] = torch.zeros(*kw["lse"].shape, 8) if kw["lse"].shape == (2, 3) else kw["out"]
     try:
@@ -291,7 +293,7 @@ def test_forward_check_and_kv_flag_in_interpreter():
 
 
 def test_forward_buckets_cover_every_row_once():
-    from glm5_dsa_plugin.ops.tilelang_backend import forward_buckets
+    from glm5_dsa_plugin.ops.tilelang.plan import forward_buckets
 
     for n_blocks in (1, 2, 3, 7, 32, 64):
         for buckets in (1, 2, 4, 8):
@@ -307,7 +309,8 @@ def test_cheaper_buckets_64_follows_the_rows():
     keep one two-stage launch, mostly empty rows pick the buckets."""
     import pytest
 
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, cheaper_buckets_64
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.plan import cheaper_buckets_64
 
     n = 32
     w2 = [0] * (n + 1)
@@ -318,13 +321,13 @@ def test_cheaper_buckets_64_follows_the_rows():
     assert cheaper_buckets_64([4000] + [0] * (n - 1) + [96], n, 8) == 8
     assert cheaper_buckets_64([0] * (n + 1), n, 8) == 1  # no rows: nothing to gain
     with pytest.raises(ValueError, match="fwd_buckets_64"):
-        TileLangBackend(fwd_buckets_64="sometimes")
+        TileLangBackend()._with_choices(fwd_buckets_64="sometimes")
 
 
 def test_forward_launch_plans():
     """16/32-row tiles: two-stage buckets; 64-row tiles: one two-stage launch unless single-stage
     buckets are asked for; short topk: one launch."""
-    from glm5_dsa_plugin.ops.tilelang_backend import forward_launches
+    from glm5_dsa_plugin.ops.tilelang.plan import forward_launches
 
     assert forward_launches(16, 32, 4) == [(0, 8, 2), (8, 16, 2), (16, 24, 2), (24, 32, 2)]
     assert forward_launches(64, 32, 4) == [(0, 32, 2)]
@@ -343,23 +346,29 @@ def test_row_group_geometry_and_choice():
     every REPROBE_CALLS calls."""
     import pytest
 
-    from glm5_dsa_plugin.ops.tilelang_backend import REPROBE_CALLS, TileLangBackend, _RowGroupChoice
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.plan import REPROBE_CALLS, RowGroupChoice
 
     be = TileLangBackend()
     assert [be.rows_per_block(hg) for hg in (4, 8, 12, 16, 32, 64, 128)] == \
         [(8, 8), (8, 8), (16, 4), (16, 4), (32, 2), (64, 1), (128, 1)]
     assert be.deterministic_variant().rows_per_block(8) == (8, 8)
-    for off in (TileLangBackend(row_groups=False), TileLangBackend(bwd_warp_specialized=False).deterministic_variant(),
-                TileLangBackend(safe=False)):
+    for off in (TileLangBackend(row_groups=False),
+                TileLangBackend()._with_choices(bwd_warp_specialized=False).deterministic_variant(),
+                TileLangBackend()._with_choices(safe=False)):
         assert off.rows_per_block(8) == (16, 1)
     with pytest.raises(ValueError, match="row_groups"):
         TileLangBackend(row_groups="sometimes")
+    with pytest.raises(ValueError, match="slot_buffer_bytes"):
+        TileLangBackend(slot_buffer_bytes=0)
+    with pytest.raises(TypeError):
+        TileLangBackend(safe=False)  # a kernel choice, not a constructor setting
 
-    choice = _RowGroupChoice()
+    choice = RowGroupChoice()
     arrivals = iter([None, [100, 1000], None])  # counts of W2-like sharing arrive on the 2nd call
     choice.arrived = lambda: next(arrivals, None)
     assert [choice.choose() for _ in range(3)] == [(True, True)] * 3
-    arrivals = iter([[700, 1000]])  # W1-like: groups (an entry costs 0.62-1.00 slots)
+    arrivals = iter([[700, 1000]])  # W1-like: groups (an entry costs less than a slot)
     assert choice.choose() == (True, True)
     arrivals = iter([[1000, 1000]])  # no key shared: one entry per slot
     assert choice.choose() == (False, False)  # the first of REPROBE_CALLS one-row calls
@@ -370,10 +379,10 @@ def test_row_group_geometry_and_choice():
 
 
 def test_deterministic_variant_keeps_every_setting():
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
-    be = TileLangBackend(fwd_min_heads=32, fwd_buckets=2, fwd_buckets_64=8, fwd_block_16=32, fwd_select_in_kernel=True,
-                         slot_buffer_bytes=1 << 20)
+    be = TileLangBackend(slot_buffer_bytes=1 << 20)._with_choices(fwd_min_heads=32, fwd_buckets=2, fwd_buckets_64=8,
+                                                                   fwd_block_16=32, fwd_select_in_kernel=True)
     det = be.deterministic_variant()
     assert det.deterministic and not be.deterministic
     assert {k: v for k, v in vars(det).items() if k != "deterministic"} == \
@@ -383,20 +392,20 @@ def test_deterministic_variant_keeps_every_setting():
 def test_deterministic_chunks_are_whole_waves():
     """Rows per deterministic chunk round down to whole waves of one CTA per SM (132 SMs: 455 rows
     -> 396, three waves; two CTAs per row -> 396 rows, six waves); fewer rows than one wave stay."""
-    from glm5_dsa_plugin.ops.tilelang_backend import _whole_waves
+    from glm5_dsa_plugin.ops.tilelang.plan import whole_waves
 
-    assert _whole_waves(455, 1, 132) == 396
-    assert _whole_waves(455, 2, 132) == 396 and 396 * 2 % 132 == 0
-    assert _whole_waves(455, 3, 132) == 440 and 440 * 3 % 132 == 0
-    assert _whole_waves(131, 1, 132) == 131 and _whole_waves(132, 1, 132) == 132
-    assert _whole_waves(1, 4, 132) == 1
+    assert whole_waves(455, 1, 132) == 396
+    assert whole_waves(455, 2, 132) == 396 and 396 * 2 % 132 == 0
+    assert whole_waves(455, 3, 132) == 440 and 440 * 3 % 132 == 0
+    assert whole_waves(131, 1, 132) == 131 and whole_waves(132, 1, 132) == 132
+    assert whole_waves(1, 4, 132) == 1
 
 
 DETERMINISTIC_CHUNKS = r"""
 import types
 import torch
-from glm5_dsa_plugin.ops import tilelang_kernels as tk
-from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+from glm5_dsa_plugin.ops.tilelang import bwd_ws
+from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
 # The deterministic backward's chunk loop with the kernels replaced by a stand-in that writes a
 # known contribution for every slot (NaN for padding slots: the sum must never read them), dq as
@@ -427,7 +436,7 @@ def check(B):
             dq.copy_((torch.arange(rows) + t0 + 1).view(1, rows, 1, 1).expand_as(dq))
         return kernel
 
-    tk.sparse_mla_bwd_ws_kernel = fake_builder
+    bwd_ws.sparse_mla_bwd_ws_kernel = fake_builder
     qp = torch.zeros(B, T, Hp, D, dtype=torch.bfloat16)
     qp[:, :, 0, 0] = torch.arange(T, dtype=torch.bfloat16)  # row numbers (exact in bf16 below 256)
     kv_k = torch.zeros(B, n_kv + 1, G, D, dtype=torch.bfloat16)
@@ -480,7 +489,7 @@ def check_groups(B, R=4):
             dq.copy_((torch.arange(dq.shape[1]) + t0 + 1).view(1, -1, 1, 1).expand_as(dq))
         return kernel
 
-    tk.sparse_mla_bwd_ws_kernel = fake_builder
+    bwd_ws.sparse_mla_bwd_ws_kernel = fake_builder
     qp = torch.zeros(B, T, G * hg, D, dtype=torch.bfloat16)
     qp[:, :, 0, 0] = torch.arange(T, dtype=torch.bfloat16)
     kv_k = torch.zeros(B, n_kv + 1, G, D, dtype=torch.bfloat16)

@@ -1,32 +1,20 @@
-"""Host side of the TileLang backend: availability, head/topk padding, kernel launch.
-
-Padding done here (so the kernels never index past a buffer):
-  * heads per kv group are padded with zero query heads to 16, 32, 64 or a multiple of 64
-    (row groups: to 8, 16 or 32) (zero q gives finite scores; the padded heads' out is dropped
-    and their dO is zero, so they add exactly nothing to dkv);
-  * topk is padded to a multiple of ``BLOCK_TOPK`` and every slot outside [0, T_kv) is rewritten
-    to T_kv in the same pass, which also yields each row's extent (for skipping pure-padding
-    blocks) and the index-rule flag (``triton_helpers.prepare_indices``, one launch), so no index
-    value a caller passes can make a kernel touch memory out of bounds (validation may
-    therefore be read after the kernel);
-  * kv gets one all-zero sentinel row appended (row T_kv): those slots gather it
-    (see tilelang_kernels). The copy is made in the same launch, small next to the kernel.
-These prepared inputs are built once per call and kept for the backward (``save``), with the
-row groups' key lists (``row_groups.group_keys``) when the call runs row groups.
-"""
+"""The TileLang backend: availability, the prepared inputs kept for the backward, kernel launch."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
-import math
 
 import torch
-import torch.nn.functional as F
 
-from .contract import SparseMLAInputError
-from .row_groups import group_keys
-from .triton_helpers import finish_backward, prepare_indices
+from ..backends import Backend
+from ..contract import SparseMLAInputError
+from ..row_groups import group_keys
+from ..triton_helpers import finish_backward, prepare_indices
+from .plan import (BWD_MIN_HEADS, FWD_MIN_HEADS, BlockCountsOfLastCall, RowGroupChoice, forward_launches, pad_heads,
+                   pad_topk, padded_heads_per_group, padded_topk, unpad_heads, whole_waves)
+from .shapes import BLOCK_TOPK, check_split, row_group_geometry
 
 MIN_CAPABILITY = (9, 0)
 
@@ -36,7 +24,7 @@ def _import_status() -> tuple[bool, str]:
     try:
         import tilelang  # noqa: F401
 
-        from . import tilelang_kernels  # noqa: F401
+        from . import bwd, bwd_ws, fwd, fwd_ws  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - report the reason to the user
         return False, f"tilelang does not import: {type(exc).__name__}: {exc}"
     return True, f"tilelang {tilelang.__version__}"
@@ -51,185 +39,6 @@ def _device_status(index: int) -> tuple[bool, str]:
     return True, f"{_import_status()[1]} on {torch.cuda.get_device_name(index)} (sm_{cap[0]}{cap[1]})"
 
 
-# Smallest head tile per kernel (heads per kv group are zero-padded up to it). 16-row forward
-# tiles were wrong on TileLang 0.1.15 until the barrier before the P-tile write (see
-# tilelang_kernels); with it, proven on the H200 (0 bad rows on the configurations that failed:
-# benchmarks/results/2026-11-29_h200_v4c_forward_variants.log and the v5 one).
-FWD_MIN_HEADS = 16
-BWD_MIN_HEADS = 16
-
-
-def padded_heads_per_group(hg: int, minimum: int = 16) -> int:
-    """Heads per kv group as the kernels see them: a power of two in [minimum, 64], or a multiple of 64."""
-    if hg <= 64:
-        p = minimum
-        while p < hg:
-            p *= 2
-        return p
-    return -(-hg // 64) * 64
-
-
-def _pad_heads(x: torch.Tensor, groups: int, hg: int, hg_pad: int) -> torch.Tensor:
-    """[B, T, G*hg, D] -> [B, T, G*hg_pad, D] with zero heads appended per group."""
-    if hg == hg_pad:
-        return x.contiguous()
-    B, T, _, D = x.shape
-    return F.pad(x.view(B, T, groups, hg, D), (0, 0, 0, hg_pad - hg)).view(B, T, groups * hg_pad, D)
-
-
-def _unpad_heads(x: torch.Tensor, groups: int, hg: int, hg_pad: int) -> torch.Tensor:
-    if hg == hg_pad:
-        return x
-    B, T = x.shape[:2]
-    rest = x.shape[3:]
-    return x.view(B, T, groups, hg_pad, *rest)[:, :, :, :hg].reshape(B, T, groups * hg, *rest)
-
-
-def padded_topk(topk: int) -> int:
-    """topk as the kernels see it: rounded up to a multiple of ``BLOCK_TOPK`` (64)."""
-    from .tilelang_kernels import BLOCK_TOPK
-
-    return -(-topk // BLOCK_TOPK) * BLOCK_TOPK
-
-
-def _pad_topk(indices: torch.Tensor, block: int) -> torch.Tensor:
-    """[..., K] -> [..., ceil(K / block) * block] with -1 slots appended (contiguous)."""
-    k = indices.shape[-1]
-    if k % block == 0:
-        return indices.contiguous()
-    return F.pad(indices, (0, block - k % block), value=-1).contiguous()
-
-
-def _whole_waves(rows: int, ctas_per_row: int, n_sm: int) -> int:
-    """Query rows per deterministic chunk: at most ``rows``, rounded down to whole waves of a
-    kernel that runs one CTA per SM (``ctas_per_row`` CTAs per row), unless that leaves none.
-    With one CTA per SM, a chunk of 3.45 waves idles most SMs through its last wave; the chunk
-    boundaries set where dKV's per-chunk sums meet, so the bits depend on the GPU's SM count."""
-    step = n_sm // math.gcd(n_sm, ctas_per_row)
-    return rows // step * step if rows >= step else rows
-
-
-def forward_buckets(n_blocks: int, buckets: int) -> list[tuple[int, int]]:
-    """Split [0, n_blocks] slot blocks into ``buckets`` launches (lo, hi]: a row needing b blocks
-    runs in the launch with lo < b <= hi (b = 0 in the first) and computes hi blocks, so the
-    pure-padding tail of short rows is skipped while every loop stays static and pipelined."""
-    edges = sorted({round(n_blocks * k / buckets) for k in range(buckets + 1)})  # includes 0 and n_blocks
-    return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
-
-
-def forward_launches(hg_pad: int, n_blocks: int, buckets: int, buckets_64: int = 1) -> list[tuple[int, int, int]]:
-    """The forward's launches (lo, hi, pipeline stages) for ``hg_pad`` heads per group and
-    ``n_blocks`` slot blocks; one launch for short topk (< 8 blocks: little tail to skip, fewer
-    kernels to compile).
-
-    16/32-row head tiles: ``buckets`` launches, two-stage pipelined. 64-row tiles: one two-stage
-    launch, or ``buckets_64`` single-stage launches. TileLang 0.1.15 stops reusing the
-    reductions' shared workspaces once the pipelined loop sits under the bucket's row test, which
-    takes the two-stage 64-row tile to 230 KB, over Hopper's 227 KB (the launch fails;
-    tests/test_tilelang_compile.py checks every plan); single-stage it is 156 KB. Single-stage
-    buckets are faster on ragged rows (W2 H64 kernel, 8 buckets: 3.60 vs 4.38 ms, bitwise equal
-    out) and slower on full rows (one single-stage launch: 4.88 ms), hence an option, or a choice
-    per call from row counts (``fwd_buckets_64="auto"``, ``cheaper_buckets_64``)
-    (benchmarks/results/2026-11-29_h200_v6c_h64_stages_buckets.log)."""
-    from .tilelang_kernels import head_block
-
-    if n_blocks < 8:
-        return [(0, n_blocks, 2)]
-    if head_block(hg_pad) >= 64:
-        if buckets_64 > 1:
-            return [(lo, hi, 1) for lo, hi in forward_buckets(n_blocks, buckets_64)]
-        return [(0, n_blocks, 2)]
-    return [(lo, hi, 2) for lo, hi in forward_buckets(n_blocks, buckets)]
-
-
-# cost of one computed slot block of a 64-row tile, single-stage vs two-stage (one launch each,
-# W2 H64: 4.88 vs 4.38 ms, benchmarks/results/2026-11-29_h200_v6c_h64_stages_buckets.log)
-SINGLE_STAGE_COST = 1.11
-AUTO_BUCKETS_64 = 8  # buckets of the single-stage plan that ``fwd_buckets_64="auto"`` weighs
-
-
-def cheaper_buckets_64(block_counts: list[int], n_blocks: int, buckets: int) -> int:
-    """``buckets_64`` for a 64-row tile given how many rows need c slot blocks (``block_counts[c]``,
-    c = 0..n_blocks): ``buckets`` single-stage launches when their cost-weighted computed blocks
-    (each row runs its bucket's ``hi``) are fewer than one two-stage launch's (every row runs
-    all blocks), else 1."""
-    edges = forward_buckets(n_blocks, buckets)
-    hi = [next(h for _, h in edges if c <= h) for c in range(n_blocks + 1)]
-    single = SINGLE_STAGE_COST * sum(n * h for n, h in zip(block_counts, hi))
-    return buckets if single < sum(block_counts) * n_blocks else 1
-
-
-class _CountsOfLastCall:
-    """Counts from a previous call of one shape, copied to pinned host memory behind the kernels
-    and read only once that copy is done (``Event.query``): a launch choice made from them never
-    waits on the GPU. The choices they feed never change a result, so stale counts only cost speed."""
-
-    def __init__(self, n: int, dtype=torch.int32):
-        self.host = torch.zeros(n, dtype=dtype, pin_memory=torch.cuda.is_available())  # (CPU tests: unpinned)
-        self.event = torch.cuda.Event()
-        self.pending = False
-
-    def arrived(self) -> list[int] | None:
-        """The last recorded counts once their copy is done, each recording once; else None."""
-        if self.pending and self.event.query():
-            self.pending = False
-            return self.host.tolist()
-        return None
-
-    def record(self, counts: torch.Tensor) -> None:
-        self.host.copy_(counts, non_blocking=True)
-        self.event.record()
-        self.pending = True
-
-
-class _BlockCountsOfLastCall(_CountsOfLastCall):
-    """The rows' block counts of a previous call -> the 64-row forward plan (skipped blocks are pure
-    padding, which adds exact zeros)."""
-
-    def __init__(self, n: int):
-        super().__init__(n)
-        self.buckets_64 = 1  # two-stage until counts arrive
-
-    def choose(self, n_blocks: int) -> int:
-        counts = self.arrived()
-        if counts is not None:
-            self.buckets_64 = cheaper_buckets_64(counts, n_blocks, AUTO_BUCKETS_64)
-        return self.buckets_64
-
-
-# fwd+bwd cost of one row-group entry (64-row tile over R rows' union) relative to one slot of a
-# one-row block: 1.5-1.7 in session 6 (v8b), 0.62-1.00 since both row-group kernels are
-# warp-specialised (session 16, exp33: H8 / H16 / H32 at W1, W2 and random keys over 32k; 1.00 at
-# W2, whose groups share the most keys). With 1.0 one-row blocks run only rows that share no key.
-ENTRY_COST = 1.0
-REPROBE_CALLS = 64  # a shape that chose one-row blocks builds the group lists again this often
-
-
-class _RowGroupChoice(_CountsOfLastCall):
-    """``row_groups="auto"``: row groups for a shape while its last counted call had
-    ENTRY_COST * (group entries) < (slots the one-row kernels run, the rows' extents); rows
-    sharing no keys run one row per block. A shape on one-row blocks is counted again every
-    REPROBE_CALLS calls (building the lists once more)."""
-
-    def __init__(self):
-        super().__init__(2, torch.int64)
-        self.use, self.since_count = True, 0  # row groups until counts say otherwise
-
-    def choose(self) -> tuple[bool, bool]:
-        """-> (run row groups, build the lists and record counts in this call)."""
-        counts = self.arrived()
-        if counts is not None:
-            entries, slots = counts
-            self.use = ENTRY_COST * entries < slots
-        if self.use:
-            return True, True
-        self.since_count += 1
-        if self.since_count >= REPROBE_CALLS:
-            self.since_count = 0
-            return False, True
-        return False, False
-
-
 def _kernel_lists(saved: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(R, keys, members, extent) the kernels read, from a forward's ``saved``: the row groups'
     lists when it ran them (R = their width / the padded topk), else the one-row indices
@@ -241,7 +50,50 @@ def _kernel_lists(saved: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.
     return keys.shape[-1] // padded_topk(idx.shape[-1]), keys, members, group_extent
 
 
-class TileLangBackend:
+@dataclasses.dataclass(frozen=True)
+class _KernelChoices:
+    """Which kernels and launch shapes the backend runs. The defaults are what it ships with
+    (docs/kernels.md gives the measurements behind them); the other values exist for benchmarks
+    and tests that compare the variants (``TileLangBackend._with_choices``)."""
+
+    #: kernels memory-safe for any index (sentinel kv row, rewritten indices); False runs the raw
+    #: kernels, to measure what that safety costs, and turns off everything built on it
+    safe: bool = True
+    #: smallest head tile of the one-row forward (heads per kv group are zero-padded up to it)
+    fwd_min_heads: int = FWD_MIN_HEADS
+    #: threads and slots per block of the forward on 16-row head tiles
+    fwd_threads_16: int = 256
+    fwd_block_16: int = 64
+    #: the single-warpgroup forward also maps invalid slots to the sentinel row itself (False:
+    #: it trusts ``prepare_indices``' rewrite)
+    fwd_select_in_kernel: bool = False
+    #: forward launches per call on 16/32-row tiles, by slot blocks needed (1: no tail skipping)
+    fwd_buckets: int = 4
+    #: the same for 64-row tiles, single-stage (``plan.forward_launches``; 1: one two-stage launch;
+    #: "auto": per call from the rows' block counts of the last call of that shape)
+    fwd_buckets_64: int | str = "auto"
+    #: the warp-specialised forward for every 64-row tile (>= 64 heads per kv group, row groups)
+    fwd_warp_specialized: bool = True
+    #: the warp-specialised backward for every 64-row tile with atomic dKV
+    bwd_warp_specialized: bool = True
+    #: deterministic mode's row chunks as whole waves of the warp-specialised kernel
+    #: (``plan.whole_waves``; False: as many rows as ``slot_buffer_bytes`` allows)
+    chunk_whole_waves: bool = True
+    #: row groups' deterministic slot buffer holds the longest list per group (one host read per
+    #: call; False: the full R * topk width)
+    compact_group_slots: bool = True
+
+    def __post_init__(self):
+        if self.fwd_block_16 not in (32, 64):
+            raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
+        if self.fwd_buckets_64 != "auto" and not (isinstance(self.fwd_buckets_64, int) and self.fwd_buckets_64 >= 1):
+            raise ValueError(f"fwd_buckets_64: an int >= 1 or 'auto', got {self.fwd_buckets_64!r}")
+        for f in dataclasses.fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name}: True or False, got {getattr(self, f.name)!r}")
+
+
+class TileLangBackend(Backend):
     """Fixed TileLang kernels; bf16, CUDA sm_90."""
 
     name = "tilelang"
@@ -249,61 +101,39 @@ class TileLangBackend:
     # kernel's registers (else in the dKV conversion pass), dKV in the pass that converts it
     reports_nonfinite = True
 
-    def __init__(self, safe: bool = True, fwd_min_heads: int = FWD_MIN_HEADS, fwd_threads_16: int = 256,
-                 fwd_block_16: int = 64, deterministic: bool = False, slot_buffer_bytes: int = 2 << 30,
-                 fwd_select_in_kernel: bool = False, fwd_buckets: int = 4, fwd_buckets_64: int | str = "auto",
-                 row_groups: bool | str = "auto", fwd_warp_specialized: bool = True,
-                 bwd_warp_specialized: bool = True):
-        if fwd_block_16 not in (32, 64):
-            raise ValueError("fwd_block_16: 32 or 64 slots (topk is padded to a multiple of 64 once per call)")
-        if fwd_buckets_64 != "auto" and not (isinstance(fwd_buckets_64, int) and fwd_buckets_64 >= 1):
-            raise ValueError(f"fwd_buckets_64: an int >= 1 or 'auto', got {fwd_buckets_64!r}")
-        if row_groups not in (True, False, "auto"):
+    def __init__(self, deterministic: bool = False, row_groups: bool | str = "auto",
+                 slot_buffer_bytes: int = 2 << 30):
+        """``deterministic``: dq / dkv bitwise reproducible (dKV from per-slot contributions
+        reduced per kv row in a fixed order instead of fp32 atomics), query rows processed in
+        chunks whose slot buffer stays under ``slot_buffer_bytes``. ``row_groups`` (fewer than 64
+        heads per kv group): blocks of R = 64 / hg consecutive query rows over the union of their
+        keys: True, False, or "auto" (per shape, from the last counted call's group entries vs
+        slots, see ``plan.RowGroupChoice``)."""
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic: True or False, got {deterministic!r}")
+        if not (isinstance(row_groups, bool) or row_groups == "auto"):
             raise ValueError(f"row_groups: True, False or 'auto', got {row_groups!r}")
-        for flag, value in (("fwd_warp_specialized", fwd_warp_specialized),
-                            ("bwd_warp_specialized", bwd_warp_specialized)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag}: True or False, got {value!r}")
-        self.safe = safe
-        # forward gathers: trust prepare_indices' rewrite (False, the default: the fixes cost +1.4%
-        # of the W1 H64 forward kernel, +4.3% with the extra in-kernel select; v5 forward-variants
-        # log in benchmarks/results), or select in the kernel too
-        self.fwd_select_in_kernel = fwd_select_in_kernel
-        # forward launches per call, by slot blocks needed (skips pure-padding tails; 1 = no skipping)
-        self.fwd_buckets = fwd_buckets
-        # the same for 64-row head tiles, single-stage (see forward_launches; 1 = one two-stage
-        # launch; "auto": per call from the rows' block counts of the last call of that shape)
-        self.fwd_buckets_64 = fwd_buckets_64
-        self._block_counts: dict[tuple, _BlockCountsOfLastCall] = {}
+        if not isinstance(slot_buffer_bytes, int) or isinstance(slot_buffer_bytes, bool) or slot_buffer_bytes < 1:
+            raise ValueError(f"slot_buffer_bytes: an int >= 1, got {slot_buffer_bytes!r}")
+        self.deterministic, self.row_groups, self.slot_buffer_bytes = deterministic, row_groups, slot_buffer_bytes
+        self._choices = _KernelChoices()
+        self._new_caches()
+
+    def _new_caches(self) -> None:
+        self._block_counts: dict[tuple, BlockCountsOfLastCall] = {}
+        self._row_group_choice: dict[tuple, RowGroupChoice] = {}
         self._scratch_flags: dict[torch.device, torch.Tensor] = {}
         self._built_plans: set[tuple] = set()  # forward plans whose kernels were built (forward_kernels)
-        # deterministic: dKV without atomics (per-slot contributions, reduced per kv row in a fixed
-        # order), query rows processed in chunks whose slot buffer stays under slot_buffer_bytes
-        self.deterministic, self.slot_buffer_bytes = deterministic, slot_buffer_bytes
-        self.fwd_min_heads = fwd_min_heads
-        # fewer than 64 heads per kv group: blocks of R = 64 / hg consecutive query rows over the
-        # union of their keys (``row_groups``: always, never, or "auto": per shape, from the last
-        # counted call's entries vs slots, see _RowGroupChoice); not with safe=False, nor in
-        # deterministic mode without the warp-specialised backward (its per-entry dKV stores)
-        self.row_groups = row_groups
-        self._row_group_choice: dict[tuple, _RowGroupChoice] = {}
-        # the warp-specialised forward (``sparse_mla_fwd_ws_kernel``: gathers in flight while two
-        # MMA warpgroups split each pair of blocks evenly, one launch whose loop stops at each row's
-        # last block) for every 64-row tile (>= 64 heads per kv group, and row groups); False: the
-        # single-warpgroup kernel. Same run (v17b): the backend's forward at W1 H64 2.29 vs 3.79 ms;
-        # through the op W2 H64 2.30 vs 4.24, row groups W2 H8 1.18 vs 1.50, H16 1.24 vs 2.09 (a
-        # forward-only call at small H is mostly host time; fwd+bwd below)
-        self.fwd_warp_specialized = fwd_warp_specialized
-        # the warp-specialised backward (``sparse_mla_bwd_ws_kernel``: a third warpgroup gathers the
-        # next block and drains the dKV atomics while the MMAs run) for every 64-row tile with
-        # atomic dKV; False: ``sparse_mla_bwd_kernel``. Backward through the backend, same run (v17b):
-        # W1 H64 10.61 vs 15.89 ms; whole op fwd+bwd against both kernels single-warpgroup (v17b):
-        # W2 H64 9.94 vs 15.62, H16 (row groups) 3.53 vs 5.56, H8 2.30 vs 3.00
-        self.bwd_warp_specialized = bwd_warp_specialized
-        # launch shape of the forward when a head tile has 16 rows (only reachable with fwd_min_heads=16)
-        self.fwd_threads_16, self.fwd_block_16 = fwd_threads_16, fwd_block_16
 
-    def deterministic_variant(self) -> "TileLangBackend":
+    def _with_choices(self, **changes) -> "TileLangBackend":
+        """A copy of this backend with other kernel choices (``_KernelChoices``' fields), for
+        benchmarks and tests that compare the kernels' variants."""
+        variant = copy.copy(self)
+        variant._choices = dataclasses.replace(self._choices, **changes)
+        variant._new_caches()
+        return variant
+
+    def deterministic_variant(self, device: torch.device | None = None) -> "TileLangBackend":
         """The same kernels (every setting kept) with a backward whose dq/dkv are bitwise reproducible."""
         variant = copy.copy(self)
         variant.deterministic = True
@@ -312,7 +142,7 @@ class TileLangBackend:
     @property
     def memory_safe_on_any_index(self) -> bool:
         """True when no index value can make the kernels touch memory out of bounds (``safe`` mode)."""
-        return self.safe
+        return self._choices.safe
 
     def finite_out_lse_bound(self, sm_scale: float, topk: int) -> float | None:
         """For the guard's forward check (``triton_helpers.check_forward``): a bound B such that a
@@ -333,12 +163,10 @@ class TileLangBackend:
         kv rows below 2^100, < 2^124, times the reciprocal row sum) is finite and exact. The
         regimes left: |m * c| >= 2^27 has |lse| >= 2^27 * ln 2 - 104 (or an empty lse); every
         score -inf (fp32 overflow) an empty lse on a row with a valid slot. Hence B = min(2^29 *
-        sm_scale, 2^26). (Until session 22 the running max started at -2^30, and a row whose
-        scores all lay 2048 below it came out empty, exp51, which the check caught as an empty
-        row with a valid slot; such a row now comes out right, with |lse| > 2^30 * sm_scale -
-        ln(topk) > B, and the guard still recomputes it.) Session 21's GPU tests compare the
-        check with a full scan over poisoned and extreme q and kv."""
-        if not self.safe or topk >= 2**20:
+        sm_scale, 2^26). A row whose scores all lie far below zero comes out right, with
+        |lse| > B, and the guard still recomputes it. The GPU tests compare the check with a full
+        scan over poisoned and extreme q and kv."""
+        if not self._choices.safe or topk >= 2**20:
             return None
         return min(2.0**29 * float(sm_scale), 2.0**26)
 
@@ -357,8 +185,6 @@ class TileLangBackend:
         return _device_status(torch.cuda.current_device())
 
     def _check(self, q, kv, d_v):
-        from .tilelang_kernels import check_split
-
         if q.dtype != torch.bfloat16:
             raise SparseMLAInputError(f"sparse_mla backend 'tilelang' needs bf16 q/kv, got {q.dtype}")
         if not q.is_cuda:
@@ -376,31 +202,29 @@ class TileLangBackend:
         read them as they are, ``_kernels_read_caller_indices``). ``kv_flag`` (int32 [1]): see
         :meth:`finite_out_lse_bound`.
         With ``safe=False`` (fix-cost measurement only): raw kv, -1 padding, full extent."""
-        from .tilelang_kernels import BLOCK_TOPK
-
         k_pad = padded_topk(indices.shape[-1])
-        if self.safe:
+        if self._choices.safe:
             idx, extent, kv_k = prepare_indices(indices, kv.shape[1], k_pad, index_flag, kv=kv,
                                                 block_counts=block_counts, block=block, rewrite=rewrite,
                                                 kv_flag=kv_flag)
             return kv_k, idx, extent
         if kv_flag is not None:
             raise ValueError("TileLangBackend(safe=False) sets no kv_flag (finite_out_lse_bound is None)")
-        idx = _pad_topk(indices, BLOCK_TOPK)
+        idx = pad_topk(indices, BLOCK_TOPK)
         return kv.contiguous(), idx, torch.full(idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
 
     def originals(self, saved, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, indices) back from :meth:`save`'s tensors (the guard's reference repair); slots the
         rewrite sent to the sentinel read as -1 (the same as the kernels treat them)."""
         kv, idx = self.padded_views(saved, topk)
-        return (kv, torch.where(idx == kv.shape[1], -1, idx)) if self.safe else (kv, idx)
+        return (kv, torch.where(idx == kv.shape[1], -1, idx)) if self._choices.safe else (kv, idx)
 
     def padded_views(self, saved, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, indices) as views of :meth:`save`'s tensors, no copy and no launch: a slot is valid
         iff 0 <= index < T_kv (the rewrite's sentinel T_kv reads as padding, like -1). What the
         guard's device-side repair reads (``row_repair``)."""
         kv_k, idx = saved[:2]
-        if not self.safe:
+        if not self._choices.safe:
             return kv_k, idx[..., :topk]
         return kv_k[:, : kv_k.shape[1] - 1], idx[..., :topk]
 
@@ -413,13 +237,13 @@ class TileLangBackend:
         """(padded heads per group, R) of the row-group kernels: R > 1 consecutive query rows share a
         block when hg < 64 and ``row_groups`` is on (hg padded to 8, 16 or 32; R * hg_pad = 64,
         see ``row_groups.group_keys``), else R = 1 (one-row blocks)."""
-        if (not self.row_groups or hg >= 64 or not self.safe
-                or (self.deterministic and not self.bwd_warp_specialized)):
-            return padded_heads_per_group(hg, self.fwd_min_heads), 1
+        if (not self.row_groups or hg >= 64 or not self._choices.safe
+                or (self.deterministic and not self._choices.bwd_warp_specialized)):
+            return padded_heads_per_group(hg, self._choices.fwd_min_heads), 1
         hg_pad = padded_heads_per_group(hg, 8)
         return hg_pad, 64 // hg_pad
 
-    def _choose_row_groups(self, indices) -> tuple[bool, _RowGroupChoice | None]:
+    def _choose_row_groups(self, indices) -> tuple[bool, RowGroupChoice | None]:
         """-> (run row groups in this call, the choice to record counts into or None)."""
         if self.row_groups is True or indices.shape[1] == 0:
             return True, None
@@ -427,7 +251,7 @@ class TileLangBackend:
         if torch.cuda.is_current_stream_capturing():  # no event queries or host copies there
             return (choice.use if choice is not None else True), None
         if choice is None:
-            choice = self._row_group_choice[tuple(indices.shape)] = _RowGroupChoice()
+            choice = self._row_group_choice[tuple(indices.shape)] = RowGroupChoice()
         use, count = choice.choose()
         return use, choice if count else None
 
@@ -459,7 +283,7 @@ class TileLangBackend:
         G, hg = kv.shape[2], q.shape[2] // kv.shape[2]
         group_heads, group_rows = self.rows_per_block(hg)
         use_groups, count_into = self._choose_row_groups(indices) if group_rows > 1 else (False, None)
-        hg_pad = group_heads if use_groups else padded_heads_per_group(hg, self.fwd_min_heads)
+        hg_pad = group_heads if use_groups else padded_heads_per_group(hg, self._choices.fwd_min_heads)
         block = self._fwd_block(hg_pad)
         n_blocks = padded_topk(indices.shape[-1]) // block
         ws = self._warp_specialized(hg_pad, use_groups)
@@ -477,7 +301,7 @@ class TileLangBackend:
                 saved = saved + lists
         kv_k, idx = saved[:2]
         R, keys, members, ext = _kernel_lists(saved)
-        qp = _pad_heads(q, G, hg, hg_pad)
+        qp = pad_heads(q, G, hg, hg_pad)
         B, T, Hp, Dqk = qp.shape
         out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
@@ -489,7 +313,7 @@ class TileLangBackend:
             last.record(counts)
         if caller_ok:
             saved = (saved[0], indices, *saved[2:])
-        return _unpad_heads(out, G, hg, hg_pad), _unpad_heads(lse, G, hg, hg_pad), saved
+        return unpad_heads(out, G, hg, hg_pad), unpad_heads(lse, G, hg, hg_pad), saved
 
     def _kernels_read_caller_indices(self, indices, row_groups: bool) -> bool:
         """Whether the backward (and the warp-specialised forward) may read the caller's indices
@@ -499,23 +323,22 @@ class TileLangBackend:
         guard's). Not with topk short of a multiple of 64 (one-row kernels read the padded
         width), the deterministic backward (its per-key sums need the sentinel) or
         ``safe=False``; and only int32 contiguous indices (what the kernels take)."""
-        return (self.safe and not self.deterministic and indices.dtype == torch.int32 and indices.is_contiguous()
-                and (row_groups or indices.shape[-1] == padded_topk(indices.shape[-1])))
+        return (self._choices.safe and not self.deterministic and indices.dtype == torch.int32
+                and indices.is_contiguous() and (row_groups or indices.shape[-1] == padded_topk(indices.shape[-1])))
 
     def _warp_specialized(self, hg_pad: int, row_groups: bool, backward: bool = False) -> bool:
         """Whether this direction runs its warp-specialised kernel (``sparse_mla_fwd_ws_kernel`` /
         ``sparse_mla_bwd_ws_kernel``) with atomic dKV: 64-row tiles (>= 64 heads per group, or row
         groups), safe mode, its flag on; not in deterministic mode (whose per-slot variant
         ``_backward_deterministic`` chooses)."""
-        flag = self.bwd_warp_specialized and not self.deterministic if backward else self.fwd_warp_specialized
-        return self.safe and flag and (row_groups or hg_pad >= 64)
+        c = self._choices
+        flag = c.bwd_warp_specialized and not self.deterministic if backward else c.fwd_warp_specialized
+        return self._choices.safe and flag and (row_groups or hg_pad >= 64)
 
     def _fwd_block(self, hg_pad: int) -> int:
         """Slots per forward block: ``fwd_block_16`` for 16-row head tiles, else ``BLOCK_TOPK``
         (row groups always run ``BLOCK_TOPK``; their plan needs no block count)."""
-        from .tilelang_kernels import BLOCK_TOPK
-
-        return self.fwd_block_16 if hg_pad == 16 else BLOCK_TOPK
+        return self._choices.fwd_block_16 if hg_pad == 16 else BLOCK_TOPK
 
     def forward_kernels(self, Hp: int, d_v: int, d_tail: int, k_pad: int, G: int, sm_scale: float, hg_pad: int,
                         buckets_64: int, target: str | None = None, rows_per_block: int = 1,
@@ -526,27 +349,28 @@ class TileLangBackend:
         buckets builds them at once, not one after another. ``target``: build only (CPU tests).
         ``rows_per_block`` > 1: one launch over every row group's own number of blocks.
         ``warp_specialized``: the one launch of ``sparse_mla_fwd_ws_kernel`` (64-row tiles)."""
-        from .tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
+        from .fwd import sparse_mla_fwd_kernel
+        from .fwd_ws import sparse_mla_fwd_ws_kernel
 
         to = {} if target is None else {"target": target}
         if warp_specialized:
             return [sparse_mla_fwd_ws_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), rows_per_block=rows_per_block,
                                              **to)]
         if rows_per_block > 1:
-            return [sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self.safe, num_stages=1,
-                                          select_in_kernel=self.fwd_select_in_kernel, rows_per_block=rows_per_block,
-                                          **to)]
+            return [sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self._choices.safe, num_stages=1,
+                                          select_in_kernel=self._choices.fwd_select_in_kernel,
+                                          rows_per_block=rows_per_block, **to)]
         small = hg_pad == 16
         block = self._fwd_block(hg_pad)
         n_blocks = k_pad // block
-        plan = forward_launches(hg_pad, n_blocks, self.fwd_buckets, buckets_64)
+        plan = forward_launches(hg_pad, n_blocks, self._choices.fwd_buckets, buckets_64)
 
         def build(launch):
             lo, hi, stages = launch
-            return sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self.safe,
+            return sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self._choices.safe,
                                          block_i=block, num_stages=stages,
-                                         threads=self.fwd_threads_16 if small else 256,
-                                         select_in_kernel=self.fwd_select_in_kernel,
+                                         threads=self._choices.fwd_threads_16 if small else 256,
+                                         select_in_kernel=self._choices.fwd_select_in_kernel,
                                          blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi), **to)
 
         key = (Hp, d_v, d_tail, k_pad, G, float(sm_scale), hg_pad, buckets_64, target)
@@ -561,21 +385,21 @@ class TileLangBackend:
 
     def _plan_64(self, indices, hg_pad, n_blocks, device):
         """-> (buckets_64 for this call, zeroed row-count buffer to fill or None, its
-        ``_BlockCountsOfLastCall`` or None). Counting runs only for ``fwd_buckets_64="auto"`` on
+        ``BlockCountsOfLastCall`` or None). Counting runs only for ``fwd_buckets_64="auto"`` on
         64-row tiles with topk >= 8 blocks and nonempty input, outside CUDA graph capture (no
         event queries or host copies there), and never for the warp-specialised forward (it has no
         plan: one launch whose loop stops at each row's last block)."""
         if self._warp_specialized(hg_pad, row_groups=False):
             return 1, None, None
-        if self.fwd_buckets_64 != "auto":
-            return self.fwd_buckets_64, None, None
-        if (hg_pad < 64 or n_blocks < 8 or indices.shape[1] == 0 or not self.safe
+        if self._choices.fwd_buckets_64 != "auto":
+            return self._choices.fwd_buckets_64, None, None
+        if (hg_pad < 64 or n_blocks < 8 or indices.shape[1] == 0 or not self._choices.safe
                 or torch.cuda.is_current_stream_capturing()):
             return 1, None, None
         key = (tuple(indices.shape), n_blocks)
         last = self._block_counts.get(key)
         if last is None:
-            last = self._block_counts[key] = _BlockCountsOfLastCall(n_blocks + 1)
+            last = self._block_counts[key] = BlockCountsOfLastCall(n_blocks + 1)
         return last.choose(n_blocks), torch.zeros(n_blocks + 1, dtype=torch.int32, device=device), last
 
     def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
@@ -585,11 +409,12 @@ class TileLangBackend:
         """-> (dq, dkv) from :meth:`save`'s tensors; ``nonfinite_flag`` (int32 [1], device) becomes
         nonzero when dq or dkv holds NaN/inf (dq tested in the warp-specialised kernel's registers,
         else in the dKV conversion pass with dkv; no extra launch)."""
-        from .tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
+        from .bwd import sparse_mla_bwd_kernel
+        from .bwd_ws import sparse_mla_bwd_ws_kernel
 
         self._check(q, saved[0], d_v)
         kv_k, idx, extent = saved[:3]
-        n_kv = kv_k.shape[1] - 1 if self.safe else kv_k.shape[1]
+        n_kv = kv_k.shape[1] - 1 if self._choices.safe else kv_k.shape[1]
         R, keys, members, ext = _kernel_lists(saved)
         G, hg, hg_pad = self._geometry(q, kv_k, BWD_MIN_HEADS)
         if R > 1:  # the forward ran row groups: R rows of 64 / R (padded) heads per block
@@ -597,8 +422,8 @@ class TileLangBackend:
         if hg == hg_pad:  # (the common case: no padding ops on the host path)
             qp, dop, outp, lsep = q.contiguous(), grad_out.contiguous(), out.contiguous(), lse.contiguous()
         else:
-            qp, dop, outp = (_pad_heads(x, G, hg, hg_pad) for x in (q, grad_out, out))
-            lsep = _pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
+            qp, dop, outp = (pad_heads(x, G, hg, hg_pad) for x in (q, grad_out, out))
+            lsep = pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
         B, T, Hp, Dqk = qp.shape
         dq_checked = False  # whether the kernel tested dq itself (the warp-specialised one)
         if self.deterministic:
@@ -610,7 +435,7 @@ class TileLangBackend:
             if ws:
                 kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), rows_per_block=R)
             else:
-                kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), self.safe,
+                kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), self._choices.safe,
                                                **({"rows_per_block": R} if R > 1 else {}))
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
@@ -618,15 +443,8 @@ class TileLangBackend:
                 flag = (self._ws_backward_flag(q.device, nonfinite_flag),) if ws else ()
                 kernel(qp, kv_k, dop, keys, lsep, outp, ext, members, dq, dkv, *flag)
             dq_checked = ws and T > 0
-        dq = _unpad_heads(dq, G, hg, hg_pad)
+        dq = unpad_heads(dq, G, hg, hg_pad)
         return dq, finish_backward(dkv, n_kv, kv_k.dtype, None if dq_checked else dq, nonfinite_flag)
-
-    # deterministic mode's row chunks as whole waves of the warp-specialised kernel (see
-    # _whole_waves; False: as many rows as slot_buffer_bytes allows)
-    chunk_whole_waves = True
-    # row groups' slot buffer holds the longest list per group (one host read per call; False: the
-    # full R * topk width, as v29)
-    compact_group_slots = True
 
     def _backward_deterministic(self, qp, kv_k, dop, lists, lsep, outp, G, hg_pad, sm_scale, d_v,
                                 nonfinite_flag=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -634,27 +452,29 @@ class TileLangBackend:
         ``segment_sum_rows`` in slot order, chunk after chunk of query rows (row groups: of groups).
         ``lists`` = ``_kernel_lists``' (R, keys, members, extent): one-row blocks (R = 1, keys the
         prepared indices) or row groups (keys [B, NG, G, R * topk], one contribution per entry of a
-        group's list: at W2 H8 256 entries per row instead of 1536 slots; the slot buffer holds the
-        longest list's extent per group). 64-row head tiles run the warp-specialised kernel (its
+        group's list, far fewer than R * topk slots where the rows share keys; the slot buffer holds
+        the longest list's extent per group). 64-row head tiles run the warp-specialised kernel (its
         drain stores each valid slot's contribution instead of adding it; it tests dq itself and
         sets ``nonfinite_flag``), others the single-warpgroup one. -> (dq, dkv fp32 with the
         sentinel row, whether dq was tested)."""
-        from .tilelang_kernels import row_group_geometry, sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
-        from .triton_helpers import segment_sum_rows
+        from ..triton_helpers import segment_sum_rows
+        from .bwd import sparse_mla_bwd_kernel
+        from .bwd_ws import sparse_mla_bwd_ws_kernel
 
-        if not self.safe:
+        if not self._choices.safe:
             raise ValueError("deterministic mode needs safe=True (host-rewritten indices)")
         R, keys, members, ext = lists
         B, T, Hp, Dqk = qp.shape
         K, n_kv = keys.shape[-1], kv_k.shape[1] - 1  # K: slots per block's list (R * padded topk)
         h_blk, nh = row_group_geometry(hg_pad, R)
-        ws = self.bwd_warp_specialized and h_blk >= 64  # (safe mode checked above)
+        ws = self._choices.bwd_warp_specialized and h_blk >= 64  # (safe mode checked above)
         if ws:
             kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, K // R, G, float(sm_scale), rows_per_block=R,
                                               dkv_per_slot=True)
             flag = (self._ws_backward_flag(qp.device, nonfinite_flag),)
         elif R == 1:
-            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), self.safe, dkv_per_slot=True)
+            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), self._choices.safe,
+                                           dkv_per_slot=True)
             flag = ()
         else:  # (rows_per_block keeps row groups off in deterministic mode without the ws backward)
             raise ValueError("deterministic row groups need the warp-specialised backward")
@@ -662,20 +482,20 @@ class TileLangBackend:
         n_rows = B * kv_k.shape[1] * G
         dkv = torch.zeros(n_rows, Dqk, dtype=torch.float32, device=qp.device)
         n_blocks = keys.shape[1]  # query rows (R = 1) or groups of R rows
-        if (R > 1 and n_blocks > 0 and self.compact_group_slots
+        if (R > 1 and n_blocks > 0 and self._choices.compact_group_slots
                 and not (qp.is_cuda and torch.cuda.is_current_stream_capturing())):
-            # a group's list holds R * topk slots, mostly padding (W2 H8: about 2050 of 16384 used):
-            # the slot buffer keeps only the longest list's extent per group, read here (one host
-            # read per call; in CUDA graph capture the full width, so other chunks and bits). 2 GiB
-            # of full-width groups held 56 at W2 H8: chunks of under half a wave (exp75).
+            # a group's list holds R * topk slots, mostly padding: the slot buffer keeps only the
+            # longest list's extent per group, read here (one host read per call; in CUDA graph
+            # capture the full width, so other chunks and bits), so that a chunk of full-width
+            # groups does not shrink to a fraction of a wave
             KS = max(1, int(ext.max()))
         else:
             KS = K  # slots per block in the slot buffer
         per_block = B * G * nh * KS * Dqk * 4
         blocks = max(1, self.slot_buffer_bytes // per_block)
         dev = qp.device
-        if ws and self.chunk_whole_waves:
-            blocks = _whole_waves(blocks, B * G * nh, torch.cuda.get_device_properties(dev).multi_processor_count)
+        if ws and self._choices.chunk_whole_waves:
+            blocks = whole_waves(blocks, B * G * nh, torch.cuda.get_device_properties(dev).multi_processor_count)
         key_dtype = torch.int32 if n_rows < 2**31 else torch.int64  # (int32: the sort's radix passes halve)
         b_off = (torch.arange(B, device=dev, dtype=key_dtype) * kv_k.shape[1]).view(B, 1, 1, 1)
         g_off = torch.arange(G, device=dev, dtype=key_dtype).view(1, 1, G, 1)

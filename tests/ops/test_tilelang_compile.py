@@ -18,7 +18,9 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not o
 @pytest.mark.slow
 @pytest.mark.parametrize("heads,kv_group,d_v", [(64, 1, 512), (16, 1, 512), (64, 2, 256)])
 def test_kernels_build_for_sm90(heads, kv_group, d_v):
-    from glm5_dsa_plugin.ops.tilelang_kernels import PASS_CONFIGS, sparse_mla_bwd_kernel, sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.compile import PASS_CONFIGS
+    from glm5_dsa_plugin.ops.tilelang.fwd import sparse_mla_fwd_kernel
 
     fwd = sparse_mla_fwd_kernel(heads, d_v, 64, 2048, kv_group, 256**-0.5, target=SM90)
     bwd = sparse_mla_bwd_kernel(heads, d_v, 64, 2048, kv_group, 256**-0.5, target=SM90)
@@ -49,17 +51,18 @@ def test_every_forward_launch_fits_in_shared_memory(hg, buckets_64):
     """Each kernel of the backend's launch plan (row buckets included) asks for <= 227 KiB:
     the bucketed two-stage 64-row tile once asked for 230 KiB and failed at launch on the H200,
     so 64-row tiles are bucketed only single-stage (``fwd_buckets_64``)."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend, forward_launches, padded_heads_per_group
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.plan import forward_launches, padded_heads_per_group
 
-    be = TileLangBackend(fwd_buckets_64=buckets_64)
-    hg_pad = padded_heads_per_group(hg, be.fwd_min_heads)
-    block = be.fwd_block_16 if hg_pad == 16 else 64
+    be = TileLangBackend()._with_choices(fwd_buckets_64=buckets_64)
+    hg_pad = padded_heads_per_group(hg, be._choices.fwd_min_heads)
+    block = be._choices.fwd_block_16 if hg_pad == 16 else 64
     n_blocks = 2048 // block
-    plan = forward_launches(hg_pad, n_blocks, be.fwd_buckets, be.fwd_buckets_64)
+    plan = forward_launches(hg_pad, n_blocks, be._choices.fwd_buckets, be._choices.fwd_buckets_64)
     assert (len(plan) > 1) == (hg_pad < 64 or buckets_64 > 1)  # where tail skipping fits
     assert all(stages == (1 if hg_pad >= 64 and buckets_64 > 1 else 2) for _, _, stages in plan)
     # the backend's own builder (several launches: built in parallel threads)
-    kernels = be.forward_kernels(hg_pad, 512, 64, 2048, 1, 256**-0.5, hg_pad, be.fwd_buckets_64, target=SM90)
+    kernels = be.forward_kernels(hg_pad, 512, 64, 2048, 1, 256**-0.5, hg_pad, be._choices.fwd_buckets_64, target=SM90)
     assert len(kernels) == len(plan)
     for (lo, hi, stages), k in zip(plan, kernels):
         assert _requested_dyn_smem(k) <= HOPPER_MAX_DYN_SMEM, (hg, lo, hi, _requested_dyn_smem(k))
@@ -69,14 +72,14 @@ def test_every_forward_launch_fits_in_shared_memory(hg, buckets_64):
 @pytest.mark.slow
 def test_shared_memory_probe_sees_the_oversized_kernel():
     """The probe above can fail: the 64-row tile under a bucket's row test is over the limit."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd import sparse_mla_fwd_kernel
 
     k = sparse_mla_fwd_kernel(64, 512, 64, 2048, 1, 256**-0.5, target=SM90, select_in_kernel=False, blocks=(8, 16))
     assert _requested_dyn_smem(k) > HOPPER_MAX_DYN_SMEM
 
 
 def test_deterministic_backward_builds_without_atomics():
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
 
     src = sparse_mla_bwd_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90, dkv_per_slot=True).get_kernel_source()
     assert "AtomicAdd" not in src
@@ -111,7 +114,7 @@ def test_deterministic_warp_specialised_backward_stores_each_slot():
     topk, 576]: one slot row is 576 floats) and issues no atomic, under the same valid-slot test;
     the atomic kernel keeps its vector atomics (from registers, after the buffer's free: the
     same order, ``_drain_writes``). The same shared memory (<= 227 KiB)."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     per_slot = sparse_mla_bwd_ws_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90A, dkv_per_slot=True)
     atomic = sparse_mla_bwd_ws_kernel(128, 512, 64, 2048, 1, 256**-0.5, target=SM90A)
@@ -128,7 +131,7 @@ def test_deterministic_row_group_backward_stores_each_group_entry():
     stores each valid entry of a group's list (rows of 576 floats, slot_stride of them per group
     and head tile: the caller's, not R * topk) under the same valid-entry test, without atomics;
     the same shared memory as the atomic row-group kernel."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     per_slot = sparse_mla_bwd_ws_kernel(16, 512, 64, 2048, 1, 256**-0.5, rows_per_block=4, target=SM90A,
                                         dkv_per_slot=True)
@@ -141,7 +144,7 @@ def test_deterministic_row_group_backward_stores_each_group_entry():
 
 
 def test_unsupported_split_rejected_before_compiling():
-    from glm5_dsa_plugin.ops.tilelang_kernels import check_split
+    from glm5_dsa_plugin.ops.tilelang.shapes import check_split
 
     with pytest.raises(ValueError, match=r"supports \(d_v, d_tail\)"):
         check_split(384, 64)
@@ -153,7 +156,7 @@ def test_small_head_forward_has_a_barrier_before_the_p_tile_write(heads):
     """16/32-row head tiles: TileLang 0.1.15 aliases reduce_sum's cross-warp workspace with p_s;
     every write of p_s must come after a block-wide barrier (else a fast warp clobbers partial
     row sums that a slow warp is still reading)."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd import sparse_mla_fwd_kernel
 
     src = sparse_mla_fwd_kernel(heads, 512, 64, 192, 1, 256**-0.5, target=SM90).get_kernel_source()
     lines = [ln.strip() for ln in src.splitlines() if ln.strip()]
@@ -166,7 +169,8 @@ def test_small_head_forward_has_a_barrier_before_the_p_tile_write(heads):
 def _forward_source(kind: str, heads: int, R: int) -> str:
     """CUDA source of a forward kernel at topk 2048, d_v 512: ``kind`` "ws" (warp-specialised,
     sm_90a) or "classic" (single warpgroup: two stages with one row per block, one with row groups)."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_kernel, sparse_mla_fwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd import sparse_mla_fwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd_ws import sparse_mla_fwd_ws_kernel
 
     if kind == "ws":
         k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
@@ -187,8 +191,8 @@ def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
     # the reciprocal, out and lse (ws: per MMA warpgroup)
     assert len(tests) == (6 if kind == "ws" else 3), tests
     assert not re.search(r"< row_sum|row_sum\w*\[[^\]]*\] >", src)
-    # one division per row, none per entry of out (a division per entry is 128 per thread, each
-    # with its slow-path branch: most of the ws kernel's code)
+    # one division per row, none per entry of out (a division per entry, each with its slow-path
+    # branch, would make most of the kernel's code)
     divisions = re.findall(r"(\S+) / row_sum\w*\[", src)
     # the reciprocals: per MMA warpgroup (ws), once (classic)
     assert divisions == ["(0x1p+0f/*1.000000e+00*/"] * (2 if kind == "ws" else 1), divisions
@@ -197,11 +201,11 @@ def test_forward_epilogue_keeps_a_nan_row_sum_nan(kind, heads, R):
 @pytest.mark.parametrize("kind,heads,R", [("ws", 64, 1), ("ws", 8, 8), ("classic", 64, 1), ("classic", 16, 4)])
 def test_forward_running_max_starts_at_minus_inf(kind, heads, R):
     """Every forward starts its running max at -inf and takes its exponents from 0 while the max
-    is -inf (``_exp_base``): the p of the block and the rescale of out (ws: at both folds of the
+    is -inf (``tiles.exp_base``): the p of the block and the rescale of out (ws: at both folds of the
     block's max and in the softmax of each MMA warpgroup, and at warpgroup 0's rescale to the pair's
     max: 5; classic: the rescale and the softmax, in each copy of the loop the pipeliner makes). A
-    finite start (-2^30) gives a row whose scores all lie 2048 below it out 0 and an empty row's
-    lse. The GPU test ``test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels``
+    finite start (-2^30) would give a row whose scores all lie 2048 below it out 0 and an empty
+    row's lse. The GPU test ``test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels``
     checks the values."""
     src = _forward_source(kind, heads, R)
     assert "0x1p+30f" not in src
@@ -219,7 +223,8 @@ def test_backward_index_checks_cannot_wrap(ws, heads, R):
     """Every comparison of an index with kv_rows is made in int64: TVM rewrites ``idx < kv_rows - 1``
     into ``idx + 1 < kv_rows``, which in int32 lets 2**31 - 1 through to the dKV atomics; the
     backward reads the caller's indices, so such a value can reach it."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel, sparse_mla_bwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     if ws:
         k = sparse_mla_bwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
@@ -235,8 +240,8 @@ def test_backward_index_checks_cannot_wrap(ws, heads, R):
 def test_row_group_kernels_build_and_fit(hg, kv_group):
     """Fewer than 64 heads per group: the backend's row-group kernels (R = 64 / hg rows per block)
     build for sm_90, fit in shared memory, keep the dKV vector atomics and read the member bits."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_kernel
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.bwd import sparse_mla_bwd_kernel
 
     be = TileLangBackend()
     hg_pad, R = be.rows_per_block(hg)
@@ -262,7 +267,7 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
     (a partial wait under its overlapped PV makes ptxas serialise every wgmma); one row
     per block stores out from the dead Q tile in 16-byte stores, row groups from the fragment;
     the setmaxnreg counts fit the 3 x 168 registers per thread given at launch."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_fwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang.fwd_ws import sparse_mla_fwd_ws_kernel
 
     k = sparse_mla_fwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
     src = k.get_kernel_source()
@@ -289,7 +294,7 @@ def test_warp_specialized_forward_builds_and_fits(heads, R):
         staged = re.findall(r"\*\(uint4\*\)\(Out \+ .*= \*\(uint4\*\)\(\(\(bfloat16_t\*\)q_s\)", r)
         assert len(staged) == (R == 1) and ("*(uint1*)(Out + " in r) == (R > 1)
     # with one row per block the gathers select the sentinel themselves (the backend hands them
-    # the caller's indices as they are); no nonfinite test here (it costs the kernel 10-12%)
+    # the caller's indices as they are); no nonfinite test here (the guard scans out and lse)
     assert ("+ (int64_t)1) < ((int64_t)kv_rows)" in roles[2]) == (R == 1)
     assert "Flags" not in src
 
@@ -300,13 +305,13 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
     """The warp-specialised backward builds for sm_90a within 227 KiB; its gather/drain warpgroup
     copies with cp.async and issues the dKV vector atomics; TileLang's partial barriers in it
     use ids of their own; the three setmaxnreg counts fit the 3 x 168 registers per thread given
-    at launch (more, and setmaxnreg.inc waits forever). The
-    score side is split between the MMA warpgroups: warpgroup 0 computes all 32
+    at launch (more, and setmaxnreg.inc waits forever). The score side is split between the MMA
+    warpgroups: warpgroup 0 computes all 32
     slots' scores (m64n32; with one row per block Q and kv are [rows, 576] tiles, so one 576-deep
     GEMM; row groups keep them split at d_v, two GEMMs), warpgroup 1 dO V^T (one m64n32 GEMM);
-    no GEMM splits the slots between the warpgroups (m64n16). One row per block stores
-    dq through the dead Q tile."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+    no GEMM splits the slots between the warpgroups (m64n16). One row per block stores dq through
+    the dead Q tile."""
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     k = sparse_mla_bwd_ws_kernel(heads, d_v, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A)
     src = k.get_kernel_source()
@@ -357,16 +362,16 @@ def test_warp_specialized_backward_builds_and_fits(heads, R, d_v):
 @pytest.mark.parametrize("heads,d_v,R", [(64, 512, 1), (64, 256, 1), (16, 512, 4), (8, 512, 8)])
 def test_warp_specialized_backward_places_its_own_proxy_fences(heads, d_v, R):
     """The warp-specialised backward is built without TileLang's InjectFenceProxy pass, which
-    fences every step's GEMMs after the drain's fp32 chunk stores that no wgmma reads (1.5-2.4% of
-    the W2 H64 backward). Its CUDA holds exactly its own three
+    fences every step's GEMMs after the drain's fp32 chunk stores that no wgmma reads. Its CUDA
+    holds exactly its own three
     fence.proxy.async, each after generic shared-memory stores that a wgmma reads: the prologue's
     Q / dO tiles (before the block's barrier), P (stmatrix into p_s) and dS (into dp_s), with no
     wgmma between a store and its fence. Other kernels keep the pass: the warp-specialised forward
     still gets its inserted fence before warpgroup 0's P0 V0, and the wrapper is installed once."""
     import tilelang.cuda.transform as tl_cuda_transform
 
-    from glm5_dsa_plugin.ops import tilelang_kernels
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+    from glm5_dsa_plugin.ops.tilelang import compile as tl_compile
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     src = sparse_mla_bwd_ws_kernel(heads, d_v, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A).get_kernel_source()
     fence = "tl::fence_proxy_async();"
@@ -386,15 +391,15 @@ def test_warp_specialized_backward_places_its_own_proxy_fences(heads, d_v, R):
     assert fwd.count(fence) == 3 and len(re.findall(inserted, fwd)) == 1
     wrapped = tl_cuda_transform.InjectFenceProxy
     assert wrapped.explicit_fences_aware
-    tilelang_kernels._install_selective_fence_pass()
+    tl_compile._install_selective_fence_pass()
     assert tl_cuda_transform.InjectFenceProxy is wrapped
 
 
 @pytest.mark.parametrize("heads,R", [(64, 1), (16, 4), (8, 8)])
 def test_warp_specialized_backward_reads_lse_before_its_block_loop(heads, R):
     """Warpgroup 0 reads its rows' lse once, before the block loop: loaded after each step's score
-    GEMM (behind a wgmma wait no load can move above) it costs the W2 H64 backward 2-3%."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import sparse_mla_bwd_ws_kernel
+    GEMM it would sit behind a wgmma wait no load can move above."""
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     src = sparse_mla_bwd_ws_kernel(heads, 512, 64, 2048, 1, 256**-0.5, rows_per_block=R, target=SM90A).get_kernel_source()
     loop = src.index("for (int blk = 0; blk < nb; ++blk)")
@@ -406,7 +411,7 @@ def test_warp_specialized_backward_reads_lse_before_its_block_loop(heads, R):
 def test_vector_rows_splits_a_tile_into_whole_vectors(rows, width, threads):
     """``vector_rows`` leaves the largest leading row count whose elements divide into 8-element
     vectors for every thread, and fewer rows than one such step after it."""
-    from glm5_dsa_plugin.ops.tilelang_kernels import vector_rows
+    from glm5_dsa_plugin.ops.tilelang.bwd_ws import vector_rows
 
     split = vector_rows(rows, width, threads)
     assert 0 <= split <= rows and split * width % (threads * 8) == 0
@@ -417,40 +422,42 @@ def test_warp_specialized_backward_choice():
     """``bwd_warp_specialized`` (default True) runs it for every 64-row tile with atomic dKV:
     >= 64 heads per kv group, and row groups; not for 16/32-row tiles, not when False, not in
     deterministic mode, not with safe=False; a non-bool is an error."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     cases = [(64, False), (128, False), (32, False), (16, False), (8, True), (16, True)]
     chosen = [TileLangBackend()._warp_specialized(h, rg, backward=True) for h, rg in cases]
     assert chosen == [True, True, False, False, True, True]
-    for be in (TileLangBackend(bwd_warp_specialized=False), TileLangBackend(deterministic=True),
-               TileLangBackend(safe=False)):
+    for be in (TileLangBackend()._with_choices(bwd_warp_specialized=False), TileLangBackend(deterministic=True),
+               TileLangBackend()._with_choices(safe=False)):
         assert not any(be._warp_specialized(h, rg, backward=True) for h, rg in cases)
     with pytest.raises(ValueError, match="bwd_warp_specialized"):
-        TileLangBackend(bwd_warp_specialized=1)
+        TileLangBackend()._with_choices(bwd_warp_specialized=1)
 
 
 def test_warp_specialized_forward_choice():
     """``fwd_warp_specialized`` (default True) runs it for every 64-row tile: >= 64 heads per kv
     group, and row groups; 16/32-row tiles never; False never; safe=False (fix-cost measurement)
     never; a non-bool is an error."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     cases = [(64, False), (128, False), (32, False), (16, False), (8, True), (16, True)]
     assert [TileLangBackend()._warp_specialized(h, rg) for h, rg in cases] == [True, True, False, False, True, True]
-    assert not any(TileLangBackend(fwd_warp_specialized=False)._warp_specialized(h, rg) for h, rg in cases)
-    assert not TileLangBackend(safe=False)._warp_specialized(64, False)
+    classic = TileLangBackend()._with_choices(fwd_warp_specialized=False)
+    assert not any(classic._warp_specialized(h, rg) for h, rg in cases)
+    assert not TileLangBackend()._with_choices(safe=False)._warp_specialized(64, False)
     with pytest.raises(ValueError, match="fwd_warp_specialized"):
-        TileLangBackend(fwd_warp_specialized="auto")
+        TileLangBackend()._with_choices(fwd_warp_specialized="auto")
 
 
 def test_warp_specialized_forward_has_no_bucket_plan():
     """A shape on the warp-specialised forward neither counts rows nor asks for row buckets, even
     with ``fwd_buckets_64`` set; with it off, the 64-row plan is the classic one."""
-    from glm5_dsa_plugin.ops.tilelang_backend import TileLangBackend
+    from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
     idx = torch.zeros(1, 8, 1, 2048, dtype=torch.int32)
-    assert TileLangBackend(fwd_buckets_64=8)._plan_64(idx, 64, 32, "cpu") == (1, None, None)
-    assert TileLangBackend(fwd_buckets_64=8, fwd_warp_specialized=False)._plan_64(idx, 64, 32, "cpu") == (8, None, None)
+    assert TileLangBackend()._with_choices(fwd_buckets_64=8)._plan_64(idx, 64, 32, "cpu") == (1, None, None)
+    classic = TileLangBackend()._with_choices(fwd_buckets_64=8, fwd_warp_specialized=False)
+    assert classic._plan_64(idx, 64, 32, "cpu") == (8, None, None)
 
 
 def test_each_kernel_is_built_once_when_threads_ask_together():
@@ -460,12 +467,13 @@ def test_each_kernel_is_built_once_when_threads_ask_together():
     import threading
     import time
 
-    from glm5_dsa_plugin.ops import tilelang_kernels as tk
+    from glm5_dsa_plugin.ops.tilelang import bwd, bwd_ws, fwd, fwd_ws
+    from glm5_dsa_plugin.ops.tilelang.compile import built_once
 
     calls, running, overlap = [], [0], [0]
     lock = threading.Lock()
 
-    @tk.built_once
+    @built_once
     def build(n, scale=1.0):
         with lock:
             calls.append((n, scale))
@@ -489,6 +497,6 @@ def test_each_kernel_is_built_once_when_threads_ask_together():
     assert sorted(calls) == [(0, 0.5), (1, 0.5)] and overlap[0] == 2
     assert len({id(results[i]) for i in range(0, 8, 2)}) == 1 and len({id(results[i]) for i in range(1, 8, 2)}) == 1
     assert build(0, scale=0.5) is results[0] and build(0, scale=0.25) is not results[0]
-    for builder in (tk.sparse_mla_fwd_kernel, tk.sparse_mla_fwd_ws_kernel, tk.sparse_mla_bwd_kernel,
-                    tk.sparse_mla_bwd_ws_kernel):
-        assert builder.__code__ is tk.built_once(lambda: None).__code__  # the same wrapper
+    for builder in (fwd.sparse_mla_fwd_kernel, fwd_ws.sparse_mla_fwd_ws_kernel, bwd.sparse_mla_bwd_kernel,
+                    bwd_ws.sparse_mla_bwd_ws_kernel):
+        assert builder.__code__ is built_once(lambda: None).__code__  # the same wrapper
