@@ -1,5 +1,5 @@
 """Megatron-Bridge end to end through its own entry points, one process (run by
-tests/test_bridge_e2e.py, on CPU and on the GPU): ``python tests/bridge_e2e.py HF_DIR WORK_DIR``.
+tests/model/test_bridge_e2e.py, on CPU and on the GPU): ``python tests/bridge_e2e.py HF_DIR WORK_DIR``.
 
 1. ``AutoBridge.from_hf_pretrained(HF_DIR)`` (a checkpoint written by transformers'
    ``save_pretrained``) -> provider -> model with the HF weights (``load_hf_weights``);

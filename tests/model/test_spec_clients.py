@@ -251,7 +251,7 @@ def test_local_path_without_apex_names_the_flag_at_spec_build(megatron_single_pr
 def test_upstream_flags_through_gpt_config_from_args_and_builder(megatron_single_process, mtp):
     """Upstream's arguments -> ``gpt_config_from_args`` (imports --spec) -> ``GPTModelBuilder``, one
     forward / backward at a short sequence (megatron-training's ``pretrain`` itself needs CUDA:
-    tests/test_gpu_upstream_pretrain.py runs it)."""
+    tests/train/test_gpu_upstream_pretrain.py runs it)."""
     from client_flags import apex_grad_accum_fusion_available, upstream_tiny_glm52_args
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.argument_utils import gpt_config_from_args

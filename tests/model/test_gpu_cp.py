@@ -1,5 +1,5 @@
 """Allgather CP = 2 against CP = 1 on one GPU: two processes share the H200 and talk through gloo
-(CUDA tensors staged through the host). Same cases and checks as tests/test_cp_cpu.py on the CUDA
+(CUDA tensors staged through the host). Same cases and checks as tests/model/test_cp_cpu.py on the CUDA
 paths: the reference attention in fp32 (exact checks; the fused Triton indexer scores with local
 query rows against the gathered keys), and the TileLang kernels in bf16 (bf16 tolerances)."""
 

@@ -4,7 +4,7 @@ The slime checkpoint is written from a transformers GLM-5 model the way slime's 
 converter lays it out (slime/backends/megatron_utils/hf_to_megatron/deepseek.py: TE fused-norm
 names, the indexer directly under self_attention with its channels rotated to [no-RoPE | RoPE],
 grouped-GEMM expert names); the reference for the result is this project's HF -> Megatron
-conversion of the same HF weights (whose logits match transformers', tests/test_spec.py)."""
+conversion of the same HF weights (whose logits match transformers', tests/model/test_spec.py)."""
 
 import json
 import subprocess
@@ -18,7 +18,7 @@ from glm5_dsa_plugin import conversion, slime_conversion
 from megatron_cpu import megatron_single_process  # noqa: F401
 from test_conversion import tiny_hf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def slime_state_from_hf(hf: dict, card: dict) -> dict:

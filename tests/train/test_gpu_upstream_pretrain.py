@@ -1,7 +1,7 @@
 """megatron-training's own ``pretrain`` loop (installed megatron-core 0.19.2) with our spec: 20
 iterations of a tiny GLM-5.2-shaped model at seq 4096 on the GPU, without and with MTP (MTP
 through ``python -m glm5_dsa_plugin.megatron_lm``). ``pretrain`` asserts CUDA, so there is no CPU
-variant of the loop; tests/test_spec_clients.py builds the same flags on CPU."""
+variant of the loop; tests/model/test_spec_clients.py builds the same flags on CPU."""
 
 import json
 import math
@@ -15,7 +15,7 @@ import pytest
 
 from client_flags import apex_grad_accum_fusion_available, upstream_tiny_glm52_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests" / "upstream_pretrain.py"
 
 
