@@ -311,6 +311,30 @@ def chart(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def markdown_table(result: dict) -> str:
+    """fwd+bwd ms and peak GiB per (layer, T) for each implementation, and ours' speed-up."""
+    rows = result["rows"]
+    lines = ["| layer | T | ours fwd+bwd | peak | megatron-core, sparse loss | peak | ratio | megatron-core, dense loss | peak |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["layer"], r["T"]) for r in rows}, key=lambda k: (k[0] != "dense", k[1]))
+    for layer, T in keys:
+        by = {r["impl"]: r for r in rows if r["layer"] == layer and r["T"] == T}
+
+        def cell(impl):
+            r = by.get(impl)
+            if r is None:
+                return "-", "-"
+            if r["error"]:
+                return ("out of memory" if "OutOfMemory" in r["error"] else "error"), "-"
+            return f"{r['fwd_bwd_ms']:.1f} ms", f"{r['peak_gib']:.1f} GiB"
+        o, s, d = cell("ours"), cell("mcore_sparse"), cell("mcore_dense")
+        ratio = "-"
+        if by.get("ours", {}).get("fwd_bwd_ms") and by.get("mcore_sparse", {}).get("fwd_bwd_ms"):
+            ratio = f"{by['mcore_sparse']['fwd_bwd_ms'] / by['ours']['fwd_bwd_ms']:.2f}x"
+        lines.append(f"| {layer} | {T // 1024}K | {o[0]} | {o[1]} | {s[0]} | {s[1]} | {ratio} | {d[0]} | {d[1]} |")
+    return "\n".join(lines)
+
+
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -336,12 +360,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_layer.json"))
     ap.add_argument("--chart", default=None, help="PNG path (default: beside --out)")
     ap.add_argument("--chart-only", action="store_true", help="redraw the chart of an existing --out JSON")
+    ap.add_argument("--table", action="store_true", help="print the markdown table of an existing --out JSON")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining rows after this many seconds")
     a = ap.parse_args(argv)
     png = a.chart or os.path.splitext(a.out)[0] + ".png"
-    if a.chart_only:
+    if a.chart_only or a.table:
         with open(a.out) as f:
-            chart(json.load(f), png)
+            result = json.load(f)
+        if a.table:
+            print(markdown_table(result))
+        else:
+            chart(result, png)
         return 0
     t_start = time.time()
 
