@@ -90,7 +90,10 @@ def tree(obj, te_names):
     if id(obj) in te_names:
         return te_names[id(obj)]
     if isinstance(obj, ModuleSpec):
-        return {"module": _name(obj.module, te_names), "params": tree(obj.params, te_names),
+        params = obj.params
+        if obj.module is ours_attention.GLM5DSAttention:  # our one constructor argument megatron-core's DSAttention lacks
+            params = {k: v for k, v in params.items() if k != "cp_layout"}
+        return {"module": _name(obj.module, te_names), "params": tree(params, te_names),
                 "submodules": tree(obj.submodules, te_names), "metainfo": tree(obj.metainfo, te_names)}
     if isinstance(obj, functools.partial):
         return {"partial": _name(obj.func, te_names), "args": [tree(a, te_names) for a in obj.args],
