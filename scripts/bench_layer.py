@@ -325,7 +325,9 @@ def markdown_table(result: dict) -> str:
             if r is None:
                 return "-", "-"
             if r["error"]:
-                return ("out of memory" if "OutOfMemory" in r["error"] else "error"), "-"
+                kind = ("out of memory" if "OutOfMemory" in r["error"] else
+                        "not run" if r["error"].startswith("not run") else "error")
+                return kind, "-"
             return f"{r['fwd_bwd_ms']:.1f} ms", f"{r['peak_gib']:.1f} GiB"
         o, s, d = cell("ours"), cell("mcore_sparse"), cell("mcore_dense")
         ratio = "-"
