@@ -11,8 +11,8 @@ converted tensor at a time.
 
 Layout notes:
   * dense / expert / shared-expert ``linear_fc1`` = ``cat([gate_proj, up_proj], dim=0)``;
-  * the indexer keeps HF's layout (RoPE on its first ``qk_rope_head_dim`` channels, half
-    split), so its weights map 1:1 -- our indexer module uses that layout internally;
+  * the indexer keeps HF's layout (RoPE on its first ``qk_rope_head_dim`` channels, rotated as
+    the config's ``indexer_rope_interleave`` says), so its weights map 1:1 -- our indexer module uses that layout internally;
   * q_b_proj / kv_b_proj / kv_a_proj_with_mqa per-head layouts ([nope | rope], [nope | v],
     [latent | rope]) are identical on both sides; MLA RoPE interleaving is handled in the
     rotary code on both sides, not in the weights.
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from . import fp8
+from .indexer import computes_indices
 
 # (megatron suffix, hf suffix) inside one decoder layer, 1:1 copies
 _LAYER_1TO1 = [
@@ -131,10 +132,13 @@ class LazyHFCheckpoint(Mapping):
         return len(self._keys)
 
 
-def _layer_pairs(meg_prefix: str, hf_prefix: str, card: dict, is_moe: bool):
-    """Yield (kind, megatron_name, hf_names) for one decoder layer."""
+def _layer_pairs(meg_prefix: str, hf_prefix: str, card: dict, is_moe: bool, has_indexer: bool = True):
+    """Yield (kind, megatron_name, hf_names) for one decoder layer. A GLM-5.2 layer that reuses an
+    earlier layer's top-k (index sharing) has no indexer, in HF's model and in ours."""
     for m, h in _LAYER_1TO1:
         if ("router" in m or "shared_experts" in m) and not is_moe:
+            continue
+        if ".indexer." in m and not has_indexer:
             continue
         if m == "mlp.linear_fc2.weight" and is_moe:
             continue
@@ -155,8 +159,10 @@ def name_plan(card: dict, include_mtp: bool = True) -> list[tuple[str, str, list
     """Every (kind, megatron name, hf names) of a card's model."""
     n, k = card["num_hidden_layers"], card.get("first_k_dense_replace", 0)
     plan = [("copy", m, [h]) for m, h in _GLOBAL]
+    freq, offset = card.get("index_topk_freq", 1) or 1, card.get("index_skip_topk_offset", 0) or 0
     for i in range(n):
-        plan += list(_layer_pairs(f"decoder.layers.{i}.", f"model.layers.{i}.", card, is_moe=i >= k))
+        plan += list(_layer_pairs(f"decoder.layers.{i}.", f"model.layers.{i}.", card, is_moe=i >= k,
+                                  has_indexer=computes_indices(i + 1, freq, offset)))
     if include_mtp:
         for j in range(card.get("num_nextn_predict_layers", 0) or 0):
             hp, mp = f"model.layers.{n + j}.", f"mtp.layers.{j}."

@@ -190,16 +190,9 @@ def _our_model(card, hf, **over):
     cfg = cards.card_to_transformer_config(card, moe_token_dispatcher_type="allgather", mtp_num_layers=None, **over)
     model = build(cfg, card, mtp=False)
     state = dict(hf.state_dict())
-    # conversion.name_plan maps an indexer on every layer; a sharing layer has none on either side:
-    # give the plan placeholders, and drop what it makes of them
     shared = [i for i, t in enumerate(hf.config.indexer_types) if t == "shared"]
-    donor = hf.config.indexer_types.index("full")
-    for i in shared:
-        for k in [k for k in state if k.startswith(f"model.layers.{donor}.self_attn.indexer.")]:
-            state[k.replace(f"layers.{donor}.", f"layers.{i}.", 1)] = torch.zeros_like(state[k])
-    meg = conversion.hf_to_megatron(state, card, include_mtp=False)
-    meg = {k: v for k, v in meg.items()
-           if not any(k.startswith(f"decoder.layers.{i}.self_attention.core_attention.indexer.") for i in shared)}
+    assert not any(".indexer." in k for k in state if any(k.startswith(f"model.layers.{i}.") for i in shared))
+    meg = conversion.hf_to_megatron(state, card, include_mtp=False)  # a sharing layer: no indexer either side
     missing, unexpected = model.load_state_dict(meg, strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing)
     return model
