@@ -829,8 +829,8 @@ def test_group_keys_on_the_gpu_equal_the_row_by_row_build(R):
     """The key lists built on the GPU (threads running concurrently, which the interpreter's CPU
     test cannot show) equal the row-by-row build entry for entry: random distinct keys over a long
     context (a group's bit table is hundreds of words), several calls, and one group per batch.
-    (Session 16: R = 2's table pass raced with its own clearing of the table, and 3-6 of 128
-    groups per call lost entries or member bits.)"""
+    (It guards a race in which R = 2's table pass overlapped its own clearing of the table and
+    some groups lost entries or member bits.)"""
     from glm5_dsa_plugin.ops.row_groups import group_keys, group_keys_reference
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
