@@ -133,29 +133,8 @@ def deterministic_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
     Highest score first; equal scores in ascending key index (lowest index wins the last places);
     slots with no visible key are -1 and come last. Exact and independent of the order in
-    which torch.topk happens to return ties."""
-    C, n = scores.shape
-    k_eff = min(topk, n)
-    vals = scores.topk(k_eff, dim=-1).values
-    thr = vals[:, -1:]
-    visible = scores > float("-inf")
-    above = scores > thr
-    tie = (scores == thr) & visible
-    need = k_eff - above.sum(-1, keepdim=True)
-    take = above | (tie & (tie.cumsum(-1) <= need))
-    # the taken keys in ascending index order (taken keys outrank untaken ones in the key)
-    order_key = take.to(torch.int64) * (n - torch.arange(n, device=scores.device))
-    cand = order_key.topk(k_eff, dim=-1).indices
-    cand_taken = take.gather(-1, cand)
-    cand_scores = torch.where(cand_taken, scores.gather(-1, cand), torch.full_like(vals, float("-inf")))
-    # stable sort by score (desc) keeps ascending index among equal scores
-    order = torch.sort(cand_scores, dim=-1, descending=True, stable=True).indices
-    idx = cand.gather(-1, order)
-    ok = cand_taken.gather(-1, order)
-    idx = torch.where(ok, idx, torch.full_like(idx, PAD_INDEX)).to(torch.int32)
-    if topk > k_eff:
-        idx = torch.nn.functional.pad(idx, (0, topk - k_eff), value=PAD_INDEX)
-    return idx
+    which torch.topk happens to return ties: one ``topk`` over :func:`score_keys`."""
+    return topk_from_keys(score_keys(scores), topk)
 
 
 def score_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -192,8 +171,8 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
                 chunk_rows: int | None = None, check: bool = True) -> torch.Tensor:
     """Indices [T, topk] int32 in packed kv coordinates, chunked over query rows.
 
-    Same result as :func:`deterministic_topk` of the masked scores (highest score first, ties to the
-    lower key index, -1 last). Every emitted index is visible to its row (same sequence, not in the
+    :func:`deterministic_topk` of the masked scores (highest score first, ties to the lower key
+    index, -1 last), the keys fused into the score kernel on a GPU. Every emitted index is visible to its row (same sequence, not in the
     future) and < T_kv; -1 fills the slots a row cannot use. ``check`` verifies all of that before
     returning (three host reads and a sort; a violation is a bug here, raised). The attention module
     passes ``check=False``: these hold by construction (tested), and ``sparse_mla`` validates the index

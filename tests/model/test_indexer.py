@@ -32,8 +32,6 @@ def test_topk_bounds_ties_and_order(T, topk, levels, scale, seed):
     got = ix.deterministic_topk(scores, topk)
     assert got.shape == (T, topk) and got.dtype == torch.int32
     assert torch.equal(got, brute_topk(scores, topk))
-    # the packed-key top-k that select_topk runs is the same function
-    assert torch.equal(ix.topk_from_keys(ix.score_keys(scores), topk), got)
     ix.check_topk(got, vis)
     n_valid = (got >= 0).sum(-1)
     assert torch.equal(n_valid, torch.clamp(torch.arange(T) + 1, max=topk))
@@ -50,7 +48,7 @@ def test_key_topk_on_signed_scores_and_signed_zeros(T, topk, seed):
     vals = torch.tensor([-3.0, -1e-30, -0.0, 0.0, 1e-30, 2.5, float("inf")])
     scores = vals[torch.randint(0, len(vals), (T, T), generator=gen)]
     scores = scores.masked_fill(~ix.Visibility.causal(T).mask(), float("-inf"))
-    assert torch.equal(ix.topk_from_keys(ix.score_keys(scores), topk), brute_topk(scores, topk))
+    assert torch.equal(ix.deterministic_topk(scores, topk), brute_topk(scores, topk))
 
 
 def test_check_topk_rejects_bad_indices():
