@@ -240,6 +240,7 @@ class GLM5DSAttention(MegatronModule):
             kv_att = shard.gather(kv_att)
 
         holder = self._holder(packed_seq_params, attention_mask)
+        deterministic = bool(getattr(self.config, "deterministic_mode", False))
         index_logits = None
         if self.indexer is not None:
             # detached inputs, as in megatron-core: the indexer loss trains the indexer only, never the trunk
@@ -251,8 +252,7 @@ class GLM5DSAttention(MegatronModule):
                 holder[self.layer_number] = indices
             coeff = self.config.dsa_indexer_loss_coeff or 0.0
             if self.training and coeff > 0 and torch.is_grad_enabled():
-                index_logits = ix.selected_scores(qi, ki, wi, indices,
-                                                  deterministic=bool(getattr(self.config, "deterministic_mode", False)))
+                index_logits = ix.selected_scores(qi, ki, wi, indices, deterministic=deterministic)
         else:
             if self.source_layer not in holder:
                 raise RuntimeError(
@@ -265,7 +265,7 @@ class GLM5DSAttention(MegatronModule):
         # the guard's flag); with GLM5_DSA_NONFINITE=off the attention reads no device flag at all.
         out, lse = sparse_mla(q_att, kv_att, indices[:, None, :].expand(-1, G, -1).contiguous(),
                             self.softmax_scale, d_v=d_v, backend=backend, validate=guard_policy() != "off",
-                            deterministic=bool(getattr(self.config, "deterministic_mode", False)))  # [b*s, H, d_v]
+                            deterministic=deterministic)  # [b*s, H, d_v]
         if index_logits is not None:
             kv_loss = kv_att[:, 0] if G == 1 else kv_att  # un-absorbed MLA: per-head keys
             out = self._attach_indexer_loss(out, index_logits, q_att, kv_loss, indices, lse)

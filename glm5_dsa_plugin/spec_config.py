@@ -235,9 +235,11 @@ def apply_client_flags(config, args) -> None:
         return
     current = getattr(config, "cp_comm_type", None)
     values = current if isinstance(current, list) else [current]
-    # None and "p2p" (megatron-training's default for --cp-comm-type) are taken as unset;
-    # megatron-core reads "all_gather" and "allgather" alike
-    wrong = sorted({v for v in values if v not in (None, "p2p") and str(v).replace("_", "").lower() != "allgather"})
+    from megatron.core.transformer.experimental_attention_variant.dsa_layout import normalize_cp_comm_type
+
+    # None and "p2p" (megatron-training's default for --cp-comm-type) are taken as unset; megatron-core's
+    # own normalisation reads "all_gather" and "allgather" alike
+    wrong = sorted({v for v in values if normalize_cp_comm_type(v) not in ("p2p", "allgather")})
     if wrong:
         raise ValueError(f"glm5_dsa_plugin.spec: --allgather-cp needs cp_comm_type 'all_gather', but the config has "
                          f"cp_comm_type={current!r} (from --cp-comm-type); drop one of the two flags")

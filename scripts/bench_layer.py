@@ -64,11 +64,7 @@ def make_config(dims, layer: str, impl: str, device: str, reuse: bool = False):
                 dsa_indexer_use_sparse_loss=impl != "mcore_dense")
     if impl.startswith("mcore") and device == "cuda":
         over["dsa_kernel_backend"] = "tilelang"
-    try:
-        return cards.card_to_transformer_config(card, **over)
-    except TypeError:  # a config without one of the optional fields
-        over.pop("dsa_indexer_use_sparse_loss")
-        return cards.card_to_transformer_config(card, **over)
+    return cards.card_to_transformer_config(card, **over)
 
 
 def build_layer(cfg, layer: str, impl: str, layer_number: int = 1):
@@ -176,7 +172,7 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
         qi, ki, wi = core.indexer.qkw(xs, qr, vis.query_pos)
 
     def indexer_proj():
-        a, b, c = core.indexer.qkw(xs.requires_grad_(False), qr, vis.query_pos)
+        a, b, c = core.indexer.qkw(xs, qr, vis.query_pos)
         (a.float().sum() + b.float().sum() + c.float().sum()).backward()
     out["indexer"] = timed(indexer_proj, warmup, rep, device)
     out["topk"] = timed(lambda: ix.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False), warmup, rep, device)
