@@ -5,24 +5,15 @@ Megatron-Bridge PEFT LoRA. CPU at one gloo process; the GPU run uses the kernels
 import importlib.util
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from single_rank_env import ROOT, single_rank_env
 
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
                                 reason="megatron-bridge not installed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(tmp_path, gpu: bool, **card_over):
@@ -31,9 +22,7 @@ def _run(tmp_path, gpu: bool, **card_over):
     _, hf = tiny_hf(seed=5, **card_over)
     hf_dir = tmp_path / "hf"
     hf.save_pretrained(hf_dir)
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), CUBLAS_WORKSPACE_CONFIG=":4096:8",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = single_rank_env(CUBLAS_WORKSPACE_CONFIG=":4096:8")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "bridge_e2e.py"), str(hf_dir), str(tmp_path)],

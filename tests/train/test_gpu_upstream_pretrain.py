@@ -5,24 +5,15 @@ variant of the loop; tests/model/test_spec_clients.py builds the same flags on C
 
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from single_rank_env import ROOT, single_rank_env
 
 from client_flags import apex_grad_accum_fusion_available, upstream_tiny_glm52_args
 
-ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests" / "upstream_pretrain.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(tmp_path, mtp: bool):
@@ -30,9 +21,7 @@ def _run(tmp_path, mtp: bool):
     if not apex_grad_accum_fusion_available():
         flags.append("--no-gradient-accumulation-fusion")  # the spec names this flag when Apex is absent
     losses = tmp_path / "losses.json"
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), CUDA_DEVICE_MAX_CONNECTIONS="1", GLM5_PRETRAIN_LOSSES=str(losses),
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = single_rank_env(CUDA_DEVICE_MAX_CONNECTIONS="1", GLM5_PRETRAIN_LOSSES=str(losses))
     entry = ["-m", "glm5_dsa_plugin.megatron_lm", str(DRIVER)] if mtp else [str(DRIVER)]
     out = subprocess.run([sys.executable, *entry, *flags], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=1200)
