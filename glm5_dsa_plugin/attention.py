@@ -72,7 +72,7 @@ class GLM5DSAIndexer(MegatronModule):
         self.linear_wq_b = build_module(submodules.linear_wq_b, q_lora_rank, self.n_heads * self.head_dim, **common)
         self.linear_wk = build_module(submodules.linear_wk, c.hidden_size, self.head_dim, **common)
         eps = c.dsa_indexer_k_norm_epsilon if c.dsa_indexer_k_norm_epsilon is not None else c.layernorm_epsilon
-        self.k_norm = torch.nn.LayerNorm(self.head_dim, eps=eps) if submodules.k_norm is None else build_module(
+        self.k_norm = torch.nn.LayerNorm(self.head_dim, eps=eps, dtype=c.params_dtype) if submodules.k_norm is None else build_module(
             submodules.k_norm, config=_layernorm_config(c), hidden_size=self.head_dim, eps=eps)
         self.linear_weights_proj = build_module(submodules.linear_weights_proj, c.hidden_size, self.n_heads, **common)
         # duplicated across TP ranks: average their gradients there (as megatron-core does)

@@ -77,16 +77,30 @@ def lora_main(argv=None) -> int:
 
 
 # --------------------------------------------------------------------------- PPO
-def make_rollouts(card: dict, n_seqs: int = 6, seed: int = 0, pad_to: int = 8) -> dict:
-    """A small packed-THD rollout batch: prompts + responses, padded per sequence to ``pad_to``.
+def make_rollouts(card: dict, n_seqs: int = 6, seed: int = 0, pad_to: int = 8, max_len: int | None = None) -> dict:
+    """A packed-THD rollout batch of ``n_seqs`` prompts + responses, each padded to a multiple of
+    ``pad_to``. ``max_len`` None: short sequences (prompt 3-8, response 2-9 tokens); else each
+    padded sequence is at most ``max_len`` tokens: prompt 1/8-1/4 of it, the response filling
+    the sequence to between 1/2 and all of ``max_len`` (RL at the lengths GLM-5.x trains).
 
     Pad tokens belong to no sequence: their DSA top-k is all padding (the shape behind the
     reported NaN gradients in GLM-5.2 RL runs)."""
+    if max_len is not None and max_len < 4 * pad_to:
+        raise ValueError(f"make_rollouts: max_len={max_len} is below 4 * pad_to = {4 * pad_to}")
     g = torch.Generator().manual_seed(seed)
     V = card["vocab_size"]
+
+    def draw(lo: int, hi: int) -> int:  # uniform in [lo, hi]
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
     toks, lens, plens, padded = [], [], [], [0]
     for _ in range(n_seqs):
-        p, r = int(torch.randint(3, 9, (1,), generator=g)), int(torch.randint(2, 10, (1,), generator=g))
+        if max_len is None:
+            p, r = draw(3, 8), draw(2, 9)
+        else:
+            cap = max_len - max_len % pad_to  # the padded length may not pass max_len
+            p = draw(max(1, max_len // 8), max(1, max_len // 4))
+            r = draw(max(1, max_len // 2 - p), cap - p)
         seq = torch.randint(0, V, (p + r,), generator=g)
         pad = (-(p + r)) % pad_to
         toks.append(torch.cat([seq, torch.zeros(pad, dtype=torch.long)]))
@@ -151,7 +165,8 @@ def ppo_main(argv=None) -> int:
     if args.dry_run:
         return core.run_dry(args)
     card, model = core.prepare(args, mtp_num_layers=None)
-    roll = torch.load(args.rollouts) if args.rollouts else make_rollouts(card, seed=args.seed)
+    roll = (torch.load(args.rollouts) if args.rollouts
+            else make_rollouts(card, n_seqs=args.batch_size, seed=args.seed, max_len=args.seq_len))
 
     def step(i: int) -> core.StepResult:
         logp = token_logprobs(model, roll, args.device)

@@ -71,12 +71,26 @@ def forward_step(data_iterator, model):
     return out, partial(loss_func, batch["loss_mask"])
 
 
+def use_prebuilt_dataset_helpers():
+    """megatron-training's initialisation runs ``make`` in ``megatron/core/datasets`` (a Megatron-LM
+    checkout has its Makefile); the megatron-core wheel ships that extension prebuilt and no
+    Makefile. Use the prebuilt one when it imports, else leave the build to fail as it would."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    dataset_utils.compile_helpers = lambda: None
+
+
 def main():
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
+    use_prebuilt_dataset_helpers()
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     model_cfg = gpt_config_from_args(args)
     full_config = pretrain_cfg_container_from_args(args, model_cfg)

@@ -112,6 +112,26 @@ def test_ppo_fixture_has_all_padding_rows_with_exact_zero_gradients(megatron_sin
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("max_len", [64, 4096, 16384])
+def test_generated_rollouts_fill_the_sequence_length(max_len):
+    """PPO without --rollouts trains at --seq-len: every padded sequence is a multiple of pad_to,
+    at most max_len and at least half of it; the loss mask covers exactly the response
+    predictions (the last prompt token through the second-to-last response token)."""
+    roll = jobs.make_rollouts({"vocab_size": 100}, n_seqs=3, seed=1, max_len=max_len)
+    cu, lens = roll["cu_seqlens_padded"].tolist(), roll["seq_lens"].tolist()
+    assert len(cu) == 4 and cu[0] == 0 and roll["tokens"].numel() == cu[-1]
+    for i, n in enumerate(lens):
+        width = cu[i + 1] - cu[i]
+        assert width % 8 == 0 and n <= width < n + 8
+        assert max_len // 2 <= n and width <= max_len, (n, width, max_len)
+        mask = roll["loss_mask"][cu[i] : cu[i + 1]]
+        first = int(mask.nonzero()[0])
+        assert max_len // 8 - 1 <= first <= max_len // 4 - 1  # the last prompt token predicts the first response token
+        assert mask[first : n - 1].eq(1).all() and mask[:first].eq(0).all() and mask[n - 1 :].eq(0).all()
+    with pytest.raises(ValueError, match="max_len=16"):
+        jobs.make_rollouts({"vocab_size": 100}, max_len=16)
+
+
 @pytest.mark.slow
 def test_help_shows_the_spec_line():
     for script in ("train_lora.py", "train_ppo.py", "train_mtp.py"):
