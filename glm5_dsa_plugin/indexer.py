@@ -268,10 +268,11 @@ class _SelectedScores(torch.autograd.Function):
     """Triton forward / backward of the selected-slot scores (``indexer_slots_triton``)."""
 
     @staticmethod
-    def forward(ctx, q, k, w, indices):
+    def forward(ctx, q, k, w, indices, deterministic):
         from . import indexer_slots_triton as kern
 
         ctx.save_for_backward(q, k, w, indices)
+        ctx.deterministic = deterministic
         return kern.slot_scores_forward(q, k, w, indices)
 
     @staticmethod
@@ -279,8 +280,8 @@ class _SelectedScores(torch.autograd.Function):
         from . import indexer_slots_triton as kern
 
         q, k, w, indices = ctx.saved_tensors
-        dq, dk, dw = kern.slot_scores_backward(q, k, w, indices, grad)
-        return dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype), None
+        dq, dk, dw = kern.slot_scores_backward(q, k, w, indices, grad, deterministic=ctx.deterministic)
+        return dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype), None, None
 
 
 def selected_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor,
@@ -288,11 +289,11 @@ def selected_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: 
     """Differentiable indexer logits at the selected slots: [T, topk] fp32, -inf at padding.
 
     q [T, Hi, Di], k [T_kv, Di], w [T, Hi], indices [T, topk] int32 (-1 padding). On CUDA the Triton
-    kernels compute it and its gradients without gathering [T, topk, Di] (dk accumulated in fp32
-    atomics); ``deterministic`` (or a CPU tensor) takes the PyTorch definition instead, whose
-    gradient is reproducible under ``torch.use_deterministic_algorithms`` but O(T x topk x Di)."""
-    if q.is_cuda and not deterministic and _triton_scores_ok():
-        return _SelectedScores.apply(q, k, w, indices.to(torch.int32).contiguous())
+    kernels compute it and its gradients without gathering [T, topk, Di]: dk accumulated in fp32
+    atomics, or with ``deterministic`` in a fixed order (bitwise reproducible, a bounded
+    workspace; see ``indexer_slots_triton``). On CPU: the PyTorch definition."""
+    if q.is_cuda and _triton_scores_ok():
+        return _SelectedScores.apply(q, k, w, indices.to(torch.int32).contiguous(), bool(deterministic))
     return selected_scores_reference(q, k, w, indices)
 
 

@@ -13,7 +13,11 @@ registers. Backward, for the incoming g = dL/dscore [T, K] (ignored at padding s
     dk[s]     += sum_{(t, j): idx[t, j] = s} sum_h dS[t, h, j] * q[t, h]     (fp32 atomics)
 
 One program per query row walks all of its slots, so dq and dw are complete in registers; dk is
-accumulated in fp32 with atomics (its summation order is not fixed). Products run on the tensor
+accumulated in fp32 with atomics (its summation order is not fixed), or, with ``deterministic``,
+in a fixed order: per block of query rows, each slot's dk contribution [Di] is written to a
+workspace (at most ``workspace_bytes``), the block's slots are stably sorted by key, and one
+program per key sums its slots in that order and adds the sum to dk (blocks in row order), so
+the result is bitwise reproducible at O(T x topk) memory beyond the workspace. Products run on the tensor
 cores with fp32 accumulation; the backward rounds dS to the inputs' dtype for its two products
 (bf16: about 2e-3 relative error in dq and dk against fp32 math, as the sparse-MLA backward);
 fp32 inputs use IEEE fp32 products. Runs under
@@ -57,7 +61,9 @@ def _slot_scores_fwd_kernel(Q, K, W, IDX, OUT, n_slots, scale,
 @triton.jit
 def _slot_scores_bwd_kernel(Q, K, W, IDX, G, DQ, DW, DK, scale, n_slots: tl.constexpr,
                             HI: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BJ: tl.constexpr,
-                            IEEE: tl.constexpr):
+                            IEEE: tl.constexpr, DK_PER_SLOT: tl.constexpr):
+    # DK_PER_SLOT: DK is a [rows * n_slots, D] workspace that takes each slot's contribution
+    # (zeros at padding slots) instead of the atomics into dk [T_kv, D]
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, HP)
     d = tl.arange(0, D)
@@ -86,9 +92,31 @@ def _slot_scores_bwd_kernel(Q, K, W, IDX, G, DQ, DW, DK, scale, n_slots: tl.cons
             dsl = ds.to(k.dtype)
             dq += tl.dot(dsl, k)
             dk = tl.dot(tl.trans(dsl), q)
-        tl.atomic_add(DK + idx[:, None].to(tl.int64) * D + d[None, :], dk, mask=valid[:, None], sem="relaxed")
+        if DK_PER_SLOT:
+            tl.store(DK + (t * n_slots + j)[:, None] * D + d[None, :], dk, mask=jmask[:, None])
+        else:
+            tl.atomic_add(DK + idx[:, None].to(tl.int64) * D + d[None, :], dk, mask=valid[:, None], sem="relaxed")
     tl.store(DQ + t * (HI * D) + h[:, None] * D + d[None, :], dq, mask=hmask[:, None])
     tl.store(DW + t * HI + h, dw, mask=hmask)
+
+
+@triton.jit
+def _key_segment_sum_kernel(C, ORDER, PTR, DK, D: tl.constexpr, BE: tl.constexpr):
+    # dk[s] += sum of the workspace rows ORDER[PTR[s]:PTR[s + 1]], in that order (fixed chunking)
+    s = tl.program_id(0).to(tl.int64)
+    start = tl.load(PTR + s)
+    end = tl.load(PTR + s + 1)
+    if end > start:
+        d = tl.arange(0, D)
+        acc = tl.zeros([D], dtype=tl.float32)
+        e0 = start
+        while e0 < end:  # (a while loop: the interpreter cannot range() over a runtime bound)
+            e = e0 + tl.arange(0, BE)
+            m = e < end
+            row = tl.load(ORDER + e, mask=m, other=0).to(tl.int64)
+            acc += tl.sum(tl.load(C + row[:, None] * D + d[None, :], mask=m[:, None], other=0.0), axis=0)
+            e0 += BE
+        tl.store(DK + s * D + d, tl.load(DK + s * D + d) + acc)
 
 
 def _geometry(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor):
@@ -117,16 +145,34 @@ def slot_scores_forward(q, k, w, indices, block_slots: int = 64) -> torch.Tensor
     return out
 
 
-def slot_scores_backward(q, k, w, indices, grad, block_slots: int = 64):
-    """(dq [T, Hi, Di] fp32, dk [T_kv, Di] fp32, dw [T, Hi] fp32) for dL/dscore ``grad`` [T, K]."""
+def slot_scores_backward(q, k, w, indices, grad, block_slots: int = 64, deterministic: bool = False,
+                         workspace_bytes: int = 1 << 30):
+    """(dq [T, Hi, Di] fp32, dk [T_kv, Di] fp32, dw [T, Hi] fp32) for dL/dscore ``grad`` [T, K].
+
+    ``deterministic``: dk summed in a fixed order (bitwise reproducible) through a workspace of at
+    most ``workspace_bytes`` (at least one query row's [K, Di] fp32); dq and dw are the same either way."""
     T, Hi, Di, HP = _geometry(q, k, w, indices)
-    n = indices.shape[1]
+    n, T_kv = indices.shape[1], k.shape[0]
     dq = torch.empty(T, Hi, Di, dtype=torch.float32, device=q.device)
     dw = torch.empty(T, Hi, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape[0], Di, dtype=torch.float32, device=q.device)
-    if T == 0:
+    dk = torch.zeros(T_kv, Di, dtype=torch.float32, device=q.device)
+    if T == 0 or n == 0:
+        return dq.zero_(), dk, dw.zero_()
+    q, k, w, indices, grad = (x.contiguous() for x in (q, k, w, indices, grad.float()))
+    geometry = dict(HI=Hi, HP=HP, D=Di, BJ=block_slots, IEEE=q.dtype == torch.float32)
+    if not deterministic:
+        _slot_scores_bwd_kernel[(T,)](q, k, w, indices, grad, dq, dw, dk, Di ** -0.5, n, DK_PER_SLOT=False,
+                                      **geometry)
         return dq, dk, dw
-    _slot_scores_bwd_kernel[(T,)](q.contiguous(), k.contiguous(), w.contiguous(), indices.contiguous(),
-                                  grad.float().contiguous(), dq, dw, dk, Di ** -0.5, n, HI=Hi, HP=HP, D=Di,
-                                  BJ=block_slots, IEEE=q.dtype == torch.float32)
+    rows = max(1, min(T, workspace_bytes // (n * Di * 4)))
+    per_slot = torch.empty(rows * n, Di, dtype=torch.float32, device=q.device)
+    keys = torch.arange(T_kv + 1, dtype=torch.int32, device=q.device)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        block = indices[t0:t1]
+        _slot_scores_bwd_kernel[(t1 - t0,)](q[t0:t1], k, w[t0:t1], block, grad[t0:t1], dq[t0:t1], dw[t0:t1],
+                                            per_slot, Di ** -0.5, n, DK_PER_SLOT=True, **geometry)
+        sorted_keys, order = torch.sort(block.reshape(-1), stable=True)  # padding (-1) first
+        ptr = torch.searchsorted(sorted_keys, keys, out_int32=True)
+        _key_segment_sum_kernel[(T_kv,)](per_slot, order, ptr, dk, D=Di, BE=32)
     return dq, dk, dw

@@ -85,8 +85,8 @@ def make_rollouts(card: dict, n_seqs: int = 6, seed: int = 0, pad_to: int = 8, m
 
     Pad tokens belong to no sequence: their DSA top-k is all padding (the shape behind the
     reported NaN gradients in GLM-5.2 RL runs)."""
-    if max_len is not None and max_len < 4 * pad_to:
-        raise ValueError(f"make_rollouts: max_len={max_len} is below 4 * pad_to = {4 * pad_to}")
+    if max_len is not None and max_len < pad_to:
+        raise ValueError(f"make_rollouts: max_len={max_len} is below pad_to={pad_to}")
     g = torch.Generator().manual_seed(seed)
     V = card["vocab_size"]
 

@@ -1,5 +1,7 @@
 """Indexer on the H200: the fused Triton score kernel against the torch path at GLM-5 sizes."""
 
+import functools
+
 import pytest
 import torch
 
@@ -48,30 +50,52 @@ def test_fused_topk_keys_equal_a_stable_sort_of_the_scores():
     assert ((want >= 0).sum(-1) < K).float().mean() > 0.4  # most rows see fewer than K keys: padding tested
 
 
-def test_selected_scores_kernels_match_reference_at_glm5_sizes():
+def _glm5_indexer_inputs(seed: int):
+    """GLM-5's indexer geometry at 4K tokens: q [T, 32, 128], k [T, 128], w [T, 32] bf16, causal
+    top-2048 indices, and an fp32 gradient for the scores."""
     T, Hi, Di, K = 4096, 32, 128, 2048
-    g = torch.Generator(device="cuda").manual_seed(6)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(T, Hi, Di, generator=g, device="cuda").to(torch.bfloat16)
     k = torch.randn(T, Di, generator=g, device="cuda").to(torch.bfloat16)
     w = (torch.randn(T, Hi, generator=g, device="cuda") * Hi ** -0.5).to(torch.bfloat16)
-    vis = ix.Visibility.causal(T, device="cuda")
-    idx = ix.select_topk(q, k, w, K, vis)
-    grad = torch.randn(T, K, generator=g, device="cuda")
-    res = {}
+    idx = ix.select_topk(q, k, w, K, ix.Visibility.causal(T, device="cuda"))
+    return q, k, w, idx, torch.randn(T, K, generator=g, device="cuda")
+
+
+def _scores_and_grads(fn, q, k, w, idx, grad, dtype):
+    qq, kk, ww = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, w))
+    s = fn(qq, kk, ww, idx)
+    s.masked_fill(idx < 0, 0.0).mul(grad).sum().backward()
+    return s.detach(), qq.grad.float(), kk.grad.float(), ww.grad.float()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_selected_scores_kernels_match_reference_at_glm5_sizes(deterministic):
+    q, k, w, idx, grad = _glm5_indexer_inputs(6)
+    kernel = functools.partial(ix.selected_scores, deterministic=deterministic)
+    s1, *g1 = _scores_and_grads(kernel, q, k, w, idx, grad, torch.bfloat16)
     # the reference runs on fp32 copies: its index backward would accumulate dk in k's dtype (bf16)
-    for name, fn, dt in (("kernel", ix.selected_scores, torch.bfloat16),
-                         ("reference", ix.selected_scores_reference, torch.float32)):
-        qq, kk, ww = (t.detach().to(dt).requires_grad_(True) for t in (q, k, w))
-        s = fn(qq, kk, ww, idx)
-        s.masked_fill(idx < 0, 0.0).mul(grad).sum().backward()
-        res[name] = (s.detach(), qq.grad.float(), kk.grad.float(), ww.grad.float())
-    (s1, *g1), (s2, *g2) = res["kernel"], res["reference"]
+    s2, *g2 = _scores_and_grads(ix.selected_scores_reference, q, k, w, idx, grad, torch.float32)
     assert torch.equal(torch.isinf(s1), idx < 0) and torch.equal(torch.isinf(s2), idx < 0)
     v = idx >= 0
     assert ((s1[v] - s2[v]).norm() / s2[v].norm()).item() < 1e-5
     for name, a, b in zip(("dq", "dk", "dw"), g1, g2):
         err = ((a - b).norm() / b.norm()).item()
         assert err < 5e-3, (name, err)  # bf16 dS in the kernel's products: about 2e-3
+
+
+def test_deterministic_selected_scores_backward_is_bitwise_reproducible():
+    """The fixed-order dk: two backward passes agree bit for bit; dq and dw are the atomic path's
+    bit for bit (same per-row programs), dk equals the atomic path's to summation order."""
+    q, k, w, idx, grad = _glm5_indexer_inputs(9)
+    det = functools.partial(ix.selected_scores, deterministic=True)
+    first, second = (_scores_and_grads(det, q, k, w, idx, grad, torch.bfloat16) for _ in range(2))
+    for name, a, b in zip(("scores", "dq", "dk", "dw"), first, second):
+        assert torch.equal(a, b), name
+    atomic = _scores_and_grads(ix.selected_scores, q, k, w, idx, grad, torch.bfloat16)
+    assert torch.equal(first[1], atomic[1]) and torch.equal(first[3], atomic[3])
+    # k's grad is returned in bf16 by both: equal up to one rounding of differently ordered fp32 sums
+    assert ((first[2] - atomic[2]).norm() / atomic[2].norm()).item() < 4e-3
 
 
 def test_loss_target_from_lse_matches_reference_at_glm5_sizes():

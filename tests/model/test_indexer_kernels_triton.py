@@ -28,6 +28,11 @@ for name, a, b in (("dq", dq, qr.grad), ("dk", dk, kr.grad), ("dw", dw, wr.grad)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
 # keys selected by many rows accumulate every row's contribution
 assert (torch.bincount(idx[idx >= 0].long(), minlength=T) > 3).any()
+# the fixed-order dk: a workspace of 5 rows (8 blocks), same dq / dw, dk equal to the definition
+dq2, dk2, dw2 = slot_scores_backward(q, k, w, idx, grad.masked_fill(idx < 0, 1e30), block_slots=4,
+                                     deterministic=True, workspace_bytes=5 * K * Di * 4)
+assert torch.equal(dq2, dq) and torch.equal(dw2, dw)
+torch.testing.assert_close(dk2, kr.grad, rtol=1e-4, atol=1e-4, msg="deterministic dk")
 print("OK")
 """
 
