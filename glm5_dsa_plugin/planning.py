@@ -165,7 +165,7 @@ def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: 
     * ``backward``: the gathered kv's gradient (TileLang's fp32 dKV plus its bf16 result; the
       zigzag layout's reorder buffer before the reduce-scatter), the indexer keys' gradient, the
       local dq."""
-    H, Hi, Di = card["num_attention_heads"] // tp, card["index_n_heads"], card["index_head_dim"]
+    H, Di = card["num_attention_heads"] // tp, card["index_head_dim"]
     S_loc, T, K = seq // cp, seq, card["index_topk"]
     dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
     reorder = cp > 1 and cp_layout == "zigzag"

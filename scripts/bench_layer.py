@@ -31,7 +31,6 @@ import argparse
 import copy
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
