@@ -60,6 +60,11 @@ def check_dsa_config(config) -> None:
                 "glm5_dsa_plugin.ops.sparse_mla, whose backend is GLM5DSAttention.backend)",
                 "set dsa_kernel_backend='none'")
     head_dim = getattr(config, "dsa_indexer_head_dim", None)
+    rope_dim = getattr(config, "qk_pos_emb_head_dim", None)
+    if head_dim and rope_dim and head_dim < rope_dim:
+        _refuse("dsa_indexer_head_dim", head_dim,
+                f"the indexer rotates the first qk_pos_emb_head_dim={rope_dim} channels of its q and k heads",
+                f"use an indexer head dim of at least {rope_dim} (GLM-5.x: 128 with 64 RoPE channels)")
     if getattr(config, "dsa_indexer_rotate_activation", False) and head_dim and head_dim & (head_dim - 1):
         _refuse("dsa_indexer_rotate_activation", True,
                 f"with dsa_indexer_head_dim={head_dim} (not a power of two) megatron-core's Hadamard transform "

@@ -50,5 +50,7 @@ def test_bridge_train_save_load_lora_cpu(tmp_path):
 @pytest.mark.gpu
 def test_bridge_train_save_load_lora_gpu(tmp_path):
     # d_v = kv_lora_rank 256 and d_tail = qk_rope_head_dim 64: a head shape the TileLang kernels take
-    r = _run(tmp_path, gpu=True, kv_lora_rank=256, qk_rope_head_dim=64, num_attention_heads=16, index_topk=64)
+    # (the indexer head at least as wide as its 64 RoPE channels)
+    r = _run(tmp_path, gpu=True, kv_lora_rank=256, qk_rope_head_dim=64, num_attention_heads=16, index_topk=64,
+             index_head_dim=64)
     _check(r, n_layers=4)

@@ -129,3 +129,11 @@ def test_other_rope_variants_are_refused(megatron_single_process):
     _model(rope_type="yarn", rotary_scaling_factor=1.0)  # plain RoPE frequencies: accepted
     with pytest.raises(ValueError, match=r"rotary_percent=0.5 is not supported"):
         _model(rotary_percent=0.5)
+
+
+def test_indexer_head_narrower_than_its_rope_channels_is_refused(megatron_single_process):
+    """The indexer rotates its first qk_pos_emb_head_dim channels: a narrower head is an error at
+    build time, not a shape mismatch inside the first forward."""
+    card, cfg = _config()
+    with pytest.raises(ValueError, match=rf"dsa_indexer_head_dim={cfg.qk_pos_emb_head_dim // 2} is not supported"):
+        _model(dsa_indexer_head_dim=cfg.qk_pos_emb_head_dim // 2)
