@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """H200 proof for the launchers: 50 steps each (LoRA, PPO, MTP) of a small 4-layer GLM-5-shaped model
 (GLM-5's indexer: 32 heads x 128, top-k 2048; narrow trunk) with the TileLang backend, at each
-``--seq-len`` (default 4096 and 16384 tokens per sequence); per-step JSON lines and a summary under --out."""
+``--seq-len`` (default 4096 and 16384 tokens per sequence); per-step JSON lines
+(``launcher_{job}_{seq}.jsonl``), a summary of every log under --out and a chart of the losses."""
 
 import argparse
+import glob
 import itertools
 import json
 import os
@@ -27,29 +29,56 @@ def main():
     ap.add_argument("--backend", default="tilelang")
     ap.add_argument("--seq-len", default="4096,16384", help="comma-separated sequence lengths")
     ap.add_argument("--jobs", default="lora,ppo,mtp")
+    ap.add_argument("--summarize-only", action="store_true", help="only rebuild the summary and chart from --out's logs")
     a = ap.parse_args()
     over = sum((["--card-override", f"{k}={json.dumps(v)}"] for k, v in SMALL.items()), [])
-    summary = {}
     mains = {"lora": jobs.lora_main, "ppo": jobs.ppo_main, "mtp": jobs.mtp_main}
-    for seq, job in itertools.product(a.seq_len.split(","), a.jobs.split(",")):
-        common = ["--card", "tiny", "--backend", a.backend, "--device", a.device, "--seq-len", seq,
-                  "--batch-size", str(max(1, 8192 // int(seq))), "--steps", str(a.steps), "--lr", "3e-4"] + over
-        log = os.path.join(a.out, f"launcher_{job}_{seq}.jsonl")
-        extra = ["--lr", "3e-3"] if job == "lora" else []
-        mains[job](common + extra + ["--log-json", log])
-        rows = [json.loads(x) for x in open(log)]
+    if not a.summarize_only:
+        for seq, job in itertools.product(a.seq_len.split(","), a.jobs.split(",")):
+            common = ["--card", "tiny", "--backend", a.backend, "--device", a.device, "--seq-len", seq,
+                      "--batch-size", str(max(1, 8192 // int(seq))), "--steps", str(a.steps), "--lr", "3e-4"] + over
+            extra = ["--lr", "3e-3"] if job == "lora" else []
+            mains[job](common + extra + ["--log-json", os.path.join(a.out, f"launcher_{job}_{seq}.jsonl")])
+    summary = summarize(a.out)
+    for run, s in summary.items():
+        print(f"{run:11s} steps {s['steps']} loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} "
+              f"grad-norm finite {s['all_grad_norms_finite']} (max {s['max_grad_norm']:.3f}) guard events "
+              f"{s['guard_events']} tok/s {s['tokens_per_s_last']:.0f}")
+
+
+def summarize(out: str) -> dict:
+    """launcher_summary.json (and launchers.png with matplotlib) from every launcher_{job}_{seq}.jsonl in ``out``."""
+    logs = sorted(glob.glob(os.path.join(out, "launcher_*_*.jsonl")))
+    runs = {}
+    for log in logs:
+        job, seq = os.path.basename(log)[len("launcher_"):-len(".jsonl")].split("_")
+        runs[f"{job}@{seq}"] = [json.loads(x) for x in open(log)]
+    summary = {}
+    for run, rows in runs.items():
         losses = [r["loss"] for r in rows]
         k = max(1, len(losses) // 10)
-        summary[f"{job}@{seq}"] = dict(
+        summary[run] = dict(
             steps=len(rows), first_loss=sum(losses[:k]) / k, last_loss=sum(losses[-k:]) / k,
             all_grad_norms_finite=all(r["grad_norm"] == r["grad_norm"] and abs(r["grad_norm"]) < 1e30 for r in rows),
             max_grad_norm=max(r["grad_norm"] for r in rows), guard_events=rows[-1]["guard_events"],
             tokens_per_s_last=rows[-1]["tokens_per_s"])
-    json.dump(summary, open(os.path.join(a.out, "launcher_summary.json"), "w"), indent=1)
-    for job, s in summary.items():
-        print(f"{job:11s} steps {s['steps']} loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} "
-              f"grad-norm finite {s['all_grad_norms_finite']} (max {s['max_grad_norm']:.3f}) guard events "
-              f"{s['guard_events']} tok/s {s['tokens_per_s_last']:.0f}")
+    json.dump(summary, open(os.path.join(out, "launcher_summary.json"), "w"), indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return summary
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for run, rows in runs.items():
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=run)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "launchers.png"), dpi=120)
+    return summary
 
 
 if __name__ == "__main__":
