@@ -77,3 +77,34 @@ def test_group_keys_triton_passes_in_interpreter(trials, long):
     table, and tables longer than one pass of the read (the interpreter runs one thread: races
     between threads show only on the GPU, see test_gpu_sparse_mla)."""
     run_interpreted(INTERPRETED.replace("{trials}", repr(trials)).replace("{long}", repr(long)))
+
+
+SORT_AND_XOR_SUM = r"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sort_and_xor(X, SORTED, XOR, N: tl.constexpr):
+    x = tl.load(X + tl.arange(0, N))
+    tl.store(SORTED + tl.arange(0, N), tl.sort(x))
+    tl.store(XOR, tl.xor_sum(x, 0))
+
+
+x = torch.randint(-2**31, 2**31 - 1, (2048,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+got, xor = torch.empty_like(x), torch.empty(1, dtype=torch.int32)
+sort_and_xor[(1,)](x, got, xor, N=2048)
+assert torch.equal(got, x.sort().values)
+want = 0
+for v in x.tolist():
+    want ^= v
+assert xor.item() == want, (xor.item(), want)
+print("OK")
+"""
+
+
+def test_interpreter_sort_and_xor_sum_under_the_fast_path():
+    """The interpreter's numpy xor reduction (tests/triton_interpreter.py) gives tl.xor_sum's value
+    and tl.sort's order on 2048 int32 lanes, the width the row-group kernel sorts."""
+    run_interpreted(SORT_AND_XOR_SUM)
