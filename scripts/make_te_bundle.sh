@@ -15,9 +15,9 @@
 # On the GPU box:
 #   mkdir -p /tmp/te && tar -xJf .gpu/te.tar.xz -C /tmp/te
 #   export PYTHONPATH=/tmp/te:$PWD:/tmp/te/_pydeps
-# With the TileLang bundle too (together over one call's 64 MiB): one call carries only
-# .gpu/te.tar.xz and unpacks it into the checkout's ignored .gpu/te (kept while the machine stays
-# up), the next carries .gpu/site.tar.xz and puts both folders on PYTHONPATH.
+# With the TileLang bundle too (together over the 64 MiB a remote GPU run may take along): one run
+# takes only .gpu/te.tar.xz and unpacks it into the checkout's ignored .gpu/te (kept while the
+# machine stays up), the next takes .gpu/site.tar.xz and puts both folders on PYTHONPATH.
 # TE's loader finds cuDNN / cuBLAS / NVRTC in torch's nvidia-* packages itself. Do not set
 # LD_BIND_NOW: the core library names one cuBLAS >= 13.2 symbol (grouped GEMM only, checked at
 # run time) that torch's cuBLAS 13.1 lacks; lazy binding never resolves it otherwise.
