@@ -15,13 +15,13 @@ registers. Backward, for the incoming g = dL/dscore [T, K] (ignored at padding s
 One program per query row walks all of its slots, so dq and dw are complete in registers; dk is
 accumulated in fp32 with atomics (its summation order is not fixed), or, with ``deterministic``,
 in a fixed order: per block of query rows, each slot's dk contribution [Di] is written to a
-workspace (at most ``workspace_bytes``), the block's slots are stably sorted by key, and one
-program per key sums its slots in that order and adds the sum to dk (blocks in row order), so
-the result is bitwise reproducible at O(T x topk) memory beyond the workspace. Products run on the tensor
-cores with fp32 accumulation; the backward rounds dS to the inputs' dtype for its two products
-(bf16: about 2e-3 relative error in dq and dk against fp32 math, as the sparse-MLA backward);
-fp32 inputs use IEEE fp32 products. Runs under
-``TRITON_INTERPRET=1`` on CPU (how CI tests it).
+workspace (at most ``workspace_bytes``) and added to dk by ``ops.triton_helpers.segment_sum_rows``
+(the block's slots stably sorted by key, one program per key summing them in that order; blocks
+in row order), so the result is bitwise reproducible at O(T x topk) memory beyond the workspace.
+Products run on the tensor cores with fp32 accumulation; the backward rounds dS to the inputs'
+dtype for its two products (bf16: about 2e-3 relative error in dq and dk against fp32 math, as
+the sparse-MLA backward); fp32 inputs use IEEE fp32 products. Runs under ``TRITON_INTERPRET=1``
+on CPU (how CI tests it).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .ops.triton_helpers import segment_sum_rows
 
 
 @triton.jit
@@ -100,25 +102,6 @@ def _slot_scores_bwd_kernel(Q, K, W, IDX, G, DQ, DW, DK, scale, n_slots: tl.cons
     tl.store(DW + t * HI + h, dw, mask=hmask)
 
 
-@triton.jit
-def _key_segment_sum_kernel(C, ORDER, PTR, DK, D: tl.constexpr, BE: tl.constexpr):
-    # dk[s] += sum of the workspace rows ORDER[PTR[s]:PTR[s + 1]], in that order (fixed chunking)
-    s = tl.program_id(0).to(tl.int64)
-    start = tl.load(PTR + s)
-    end = tl.load(PTR + s + 1)
-    if end > start:
-        d = tl.arange(0, D)
-        acc = tl.zeros([D], dtype=tl.float32)
-        e0 = start
-        while e0 < end:  # (a while loop: the interpreter cannot range() over a runtime bound)
-            e = e0 + tl.arange(0, BE)
-            m = e < end
-            row = tl.load(ORDER + e, mask=m, other=0).to(tl.int64)
-            acc += tl.sum(tl.load(C + row[:, None] * D + d[None, :], mask=m[:, None], other=0.0), axis=0)
-            e0 += BE
-        tl.store(DK + s * D + d, tl.load(DK + s * D + d) + acc)
-
-
 def _geometry(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor):
     T, Hi, Di = q.shape
     if Di < 16 or Di & (Di - 1):
@@ -166,13 +149,10 @@ def slot_scores_backward(q, k, w, indices, grad, block_slots: int = 64, determin
         return dq, dk, dw
     rows = max(1, min(T, workspace_bytes // (n * Di * 4)))
     per_slot = torch.empty(rows * n, Di, dtype=torch.float32, device=q.device)
-    keys = torch.arange(T_kv + 1, dtype=torch.int32, device=q.device)
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         block = indices[t0:t1]
         _slot_scores_bwd_kernel[(t1 - t0,)](q[t0:t1], k, w[t0:t1], block, grad[t0:t1], dq[t0:t1], dw[t0:t1],
                                             per_slot, Di ** -0.5, n, DK_PER_SLOT=True, **geometry)
-        sorted_keys, order = torch.sort(block.reshape(-1), stable=True)  # padding (-1) first
-        ptr = torch.searchsorted(sorted_keys, keys, out_int32=True)
-        _key_segment_sum_kernel[(T_kv,)](per_slot, order, ptr, dk, D=Di, BE=32)
+        segment_sum_rows(per_slot, block.reshape(-1), dk, n_keys=T_kv)  # padding slots (-1) dropped
     return dq, dk, dw

@@ -315,8 +315,8 @@ def segment_sum_rows(contrib: torch.Tensor, keys: torch.Tensor, out: torch.Tenso
     ``block_d`` columns per program (default: all D, so each entry's row is read whole, 2304 B at
     D = 576). The bits follow ``block_p``, ``block_d`` and ``num_warps`` (the reduction tree).
     ``n_keys`` (= R): no host sync (one program per row of ``out``, segments found by
-    ``searchsorted``), and entries whose key equals ``n_keys`` are dropped (their contrib rows
-    are never read). Without it the segments come from ``unique_consecutive``, which waits for
+    ``searchsorted``), and entries whose key is outside [0, ``n_keys``) (e.g. the sentinel
+    ``n_keys``, or -1 padding) are dropped (their contrib rows are never read). Without it the segments come from ``unique_consecutive``, which waits for
     the device."""
     if keys.numel() == 0:
         return
