@@ -2,12 +2,18 @@
 
 The layer is full-width GLM-5 (hidden 6144, 64 heads, q_lora 2048, kv_lora 512, indexer 32 x 128,
 top-k 2048; dense: ffn 12288; MoE: the 744B's expert shape with fewer experts so it fits one GPU),
-bf16, TP 1, local linears, indexer loss on. Three implementations, same weights, same run:
+bf16, TP 1, local linears, indexer loss on. Implementations, same weights, same run:
 
     ours          glm5_dsa_plugin.spec's layer (our indexer, loss and sparse_mla)
     mcore_sparse  megatron-core's layer from ``get_dsa_module_spec_for_backend`` with its TileLang
                   kernels and ``dsa_indexer_use_sparse_loss=True`` (the loss ours computes)
     mcore_dense   the same with megatron-core's default dense indexer loss
+    ours_te       ours with ``transformer_impl="transformer_engine"`` (TE linears and norms)
+    mcore_te      mcore_sparse on TransformerEngine modules (megatron-core's TE DSA spec)
+
+The ``*_te`` rows need TransformerEngine (not in the default ``--impls``). ``--merge`` keeps the
+rows of an existing ``--out`` that this run does not measure (each row carries its run's ``date``),
+so a TE run can join a local one; rows of one (layer, T) are always measured in the same run.
 
 Per (layer, T, impl): fwd and fwd+bwd ms (median of CUDA-event timings), peak GiB allocated during
 fwd+bwd (weights and their grads included), model TFLOP/s over fwd+bwd, and for ours a breakdown
@@ -59,6 +65,7 @@ def make_config(dims, layer: str, impl: str, device: str, reuse: bool = False):
                                 first_k_dense_replace=0 if layer == "moe" else 2,
                                 index_topk_freq=2 if reuse else 1, index_skip_topk_offset=1 if reuse else 0)
     over = dict(params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=device == "cpu",
+                transformer_impl="transformer_engine" if impl.endswith("_te") else "local",
                 moe_token_dispatcher_type="allgather", mtp_num_layers=None, moe_router_enable_expert_bias=False,
                 dsa_indexer_use_sparse_loss=impl != "mcore_dense")
     if impl.startswith("mcore") and device == "cuda":
@@ -75,14 +82,17 @@ def build_layer(cfg, layer: str, impl: str, layer_number: int = 1):
 
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    subs = spec.layer_submodules(cfg, layer == "moe", spec._LocalProvider())
-    if impl != "ours":
+    te = impl.endswith("_te")
+    provider = spec._backend(cfg) if te else spec._LocalProvider()
+    subs = spec.layer_submodules(cfg, layer == "moe", provider)
+    if impl.startswith("mcore"):
         subs = copy.copy(subs)
-        attn = get_dsa_module_spec_for_backend(cfg, spec._LocalProvider())
-        # without TransformerEngine, AbsorbedMLASelfAttention takes its down projections only as
-        # ColumnParallelLinear (as our spec builds them); everything else is megatron-core's spec
-        attn.submodules.linear_q_down_proj = ColumnParallelLinear
-        attn.submodules.linear_kv_down_proj = ColumnParallelLinear
+        attn = get_dsa_module_spec_for_backend(cfg, provider)
+        if not te:
+            # without TransformerEngine, AbsorbedMLASelfAttention takes its down projections only as
+            # ColumnParallelLinear (as our spec builds them); everything else is megatron-core's spec
+            attn.submodules.linear_q_down_proj = ColumnParallelLinear
+            attn.submodules.linear_kv_down_proj = ColumnParallelLinear
         subs.self_attention = attn
     return build_module(ModuleSpec(module=TransformerLayer, submodules=subs), config=cfg, layer_number=layer_number)
 
@@ -240,7 +250,7 @@ def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
 
 def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
     row = dict(layer=layer, T=T, impl=impl, fwd_ms=None, fwd_bwd_ms=None, peak_gib=None, tflops=None,
-               breakdown=None, error=None)
+               breakdown=None, error=None, date=None)
     lay = None
     try:
         cfg = make_config(dims, layer, impl, device)
@@ -262,7 +272,7 @@ def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
         row["fwd_ms"] = timed(fwd, warmup, rep, device)
         row["fwd_bwd_ms"] = timed(fwd_bwd, warmup, rep, device)
         row["tflops"] = model_flops(dims, layer, T) / (row["fwd_bwd_ms"] * 1e-3) / 1e12
-        if breakdown and impl == "ours":
+        if breakdown and impl.startswith("ours"):
             parts = breakdown_ours(lay, x, dims, device, warmup, rep)
             parts["projections_mlp"] = max(0.0, row["fwd_bwd_ms"] - sum(parts.values()))
             row["breakdown"] = parts
@@ -277,6 +287,17 @@ def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
     return row
 
 
+IMPLS = ("ours", "mcore_sparse", "mcore_dense", "ours_te", "mcore_te")
+
+
+def merge_rows(old: list[dict], new: list[dict], key=("layer", "T", "impl")) -> list[dict]:
+    """``old`` rows whose key no ``new`` row has, then ``new``'s, in (layer, T, impl) order."""
+    fresh = {tuple(r[k] for k in key) for r in new}
+    order = {i: n for n, i in enumerate(IMPLS)}
+    rows = [r for r in old if tuple(r[k] for k in key) not in fresh] + list(new)
+    return sorted(rows, key=lambda r: (r.get("layer") != "dense", r.get("T", 0), order.get(r.get("impl"), len(order))))
+
+
 def chart(result: dict, path: str) -> None:
     import matplotlib
 
@@ -287,7 +308,7 @@ def chart(result: dict, path: str) -> None:
     for ax, layer in zip(axes, ("dense", "moe")):
         rows = [r for r in result["rows"] if r["layer"] == layer]
         Ts = sorted({r["T"] for r in rows})
-        impls = ["ours", "mcore_sparse", "mcore_dense"]
+        impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
         width = 0.8 / len(impls)
         for i, impl in enumerate(impls):
             vals = [next((r["fwd_bwd_ms"] or 0.0 for r in rows if r["T"] == T and r["impl"] == impl), 0.0) for T in Ts]
@@ -297,7 +318,7 @@ def chart(result: dict, path: str) -> None:
                 if r is not None and r["error"]:
                     ax.text(b.get_x() + width / 2, 0, "OOM" if "OutOfMemory" in r["error"] else "err",
                             ha="center", va="bottom", fontsize=7, rotation=90)
-        ax.set_xticks([j + width for j in range(len(Ts))], [f"T={T // 1024}K" for T in Ts])
+        ax.set_xticks([j + width * (len(impls) - 1) / 2 for j in range(len(Ts))], [f"T={T // 1024}K" for T in Ts])
         ax.set_yscale("log")
         ax.set_ylabel("layer fwd+bwd ms (log)")
         ax.set_title(f"GLM-5 {layer} layer, {result['gpu']}")
@@ -307,10 +328,13 @@ def chart(result: dict, path: str) -> None:
 
 
 def markdown_table(result: dict) -> str:
-    """fwd+bwd ms and peak GiB per (layer, T) for each implementation, and ours' speed-up."""
+    """fwd+bwd ms and peak GiB per (layer, T) for each implementation, and ours' speed-up over
+    megatron-core's layer on the same linears (local; TransformerEngine when TE rows exist)."""
     rows = result["rows"]
-    lines = ["| layer | T | ours fwd+bwd | peak | megatron-core, sparse loss | peak | ratio | megatron-core, dense loss | peak |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    te = any(r["impl"].endswith("_te") for r in rows)
+    lines = ["| layer | T | ours fwd+bwd | peak | megatron-core, sparse loss | peak | ratio | megatron-core, dense loss | peak |"
+             + (" ours on TE | peak | megatron-core on TE | peak | ratio |" if te else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|" if te else "")]
     keys = sorted({(r["layer"], r["T"]) for r in rows}, key=lambda k: (k[0] != "dense", k[1]))
     for layer, T in keys:
         by = {r["impl"]: r for r in rows if r["layer"] == layer and r["T"] == T}
@@ -323,12 +347,18 @@ def markdown_table(result: dict) -> str:
                 kind = ("out of memory" if "OutOfMemory" in r["error"] else
                         "not run" if r["error"].startswith("not run") else "error")
                 return kind, "-"
-            return f"{r['fwd_bwd_ms']:.1f} ms", f"{r['peak_gib']:.1f} GiB"
+            return f"{r['fwd_bwd_ms']:.1f} ms", "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f} GiB"
+        def ratio(ours, peer):
+            if (by.get(ours) or {}).get("fwd_bwd_ms") and (by.get(peer) or {}).get("fwd_bwd_ms"):
+                return f"{by[peer]['fwd_bwd_ms'] / by[ours]['fwd_bwd_ms']:.2f}x"
+            return "-"
         o, s, d = cell("ours"), cell("mcore_sparse"), cell("mcore_dense")
-        ratio = "-"
-        if by.get("ours", {}).get("fwd_bwd_ms") and by.get("mcore_sparse", {}).get("fwd_bwd_ms"):
-            ratio = f"{by['mcore_sparse']['fwd_bwd_ms'] / by['ours']['fwd_bwd_ms']:.2f}x"
-        lines.append(f"| {layer} | {T // 1024}K | {o[0]} | {o[1]} | {s[0]} | {s[1]} | {ratio} | {d[0]} | {d[1]} |")
+        line = (f"| {layer} | {T // 1024}K | {o[0]} | {o[1]} | {s[0]} | {s[1]} | {ratio('ours', 'mcore_sparse')} "
+                f"| {d[0]} | {d[1]} |")
+        if te:
+            ot, mt = cell("ours_te"), cell("mcore_te")
+            line += f" {ot[0]} | {ot[1]} | {mt[0]} | {mt[1]} | {ratio('ours_te', 'mcore_te')} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -359,6 +389,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chart-only", action="store_true", help="redraw the chart of an existing --out JSON")
     ap.add_argument("--table", action="store_true", help="print the markdown table of an existing --out JSON")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining rows after this many seconds")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows (and checks) of an existing --out that this run does not measure")
     a = ap.parse_args(argv)
     png = a.chart or os.path.splitext(a.out)[0] + ".png"
     if a.chart_only or a.table:
@@ -388,18 +420,35 @@ def main(argv=None) -> int:
 
     dims = TINY if a.tiny else GLM5
     Ts = [int(t) for t in a.T.split(",")]
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     result = dict(gpu=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", versions=versions(),
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  dims=dims, checks=[], rows=[])
+                  date=now, dims=dims, checks=[], rows=[])
+    old = None
+    if a.merge and os.path.exists(a.out):
+        with open(a.out) as f:
+            old = json.load(f)
+        if old.get("dims") != dims or old.get("gpu") != result["gpu"]:
+            raise SystemExit(f"--merge: {a.out} was measured with other dims or on another GPU ({old.get('gpu')})")
+        for r in old["rows"] + old["checks"]:
+            r.setdefault("date", old.get("date"))
+    new_rows, new_checks = [], []
+
+    def save():
+        result["rows"] = merge_rows(old["rows"], new_rows) if old else list(new_rows)
+        result["checks"] = (merge_rows(old["checks"], new_checks, key=("layer",)) if old else list(new_checks))
+        os.makedirs(os.path.dirname(a.out), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
     if a.check_T:
         for layer in a.layers.split(","):
             try:
-                result["checks"].append(check_same_indices(dims, layer, min(a.check_T, Ts[0]) if a.tiny else a.check_T,
-                                                           a.device))
+                new_checks.append(check_same_indices(dims, layer, min(a.check_T, Ts[0]) if a.tiny else a.check_T,
+                                                     a.device))
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
-                result["checks"].append(dict(layer=layer, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-            print("check:", result["checks"][-1], flush=True)
+                new_checks.append(dict(layer=layer, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            new_checks[-1]["date"] = now
+            print("check:", new_checks[-1], flush=True)
     for T in Ts:
         for layer in a.layers.split(","):
             for impl in a.impls.split(","):
@@ -408,11 +457,11 @@ def main(argv=None) -> int:
                                tflops=None, breakdown=None, error="not run: time budget spent")
                 else:
                     row = run_one(dims, layer, T, impl, a.device, a.warmup, a.rep, breakdown=True)
-                result["rows"].append(row)
+                row["date"] = now
+                new_rows.append(row)
                 print(json.dumps(row), flush=True)
-                os.makedirs(os.path.dirname(a.out), exist_ok=True)
-                with open(a.out, "w") as f:
-                    json.dump(result, f, indent=1)
+                save()
+    save()
     try:
         chart(result, png)
     except ImportError as exc:

@@ -146,10 +146,13 @@ def main(hf_dir: str, work: str):
     after = dict(peft.named_parameters())
     base_changed = [n for n, v in before.items() if n in after and not torch.equal(after[n], v)]
     adapters_moved = [n for n in trainable if "linear_out" in n and after[n].abs().sum() > 0]
+    # the classes LoRA wrapped (TransformerEngine's when prov.transformer_impl is "transformer_engine")
+    wrapped = sorted({f"{type(m).__name__}({type(m.to_wrap).__name__})" for m in peft.modules() if hasattr(m, "to_wrap")})
 
     result = dict(n_cores=n_cores, losses_a=losses_a, losses_b=losses_b, losses_c=losses_c, mismatched=mismatched,
                   ckpt_files=sorted(p.name for p in ckpt.iterdir()), trainable=trainable, lora_losses=lora_losses,
-                  base_changed=base_changed, adapters_moved=adapters_moved)
+                  base_changed=base_changed, adapters_moved=adapters_moved, transformer_impl=prov.transformer_impl,
+                  lora_wrapped=wrapped)
     (work / "result.json").write_text(json.dumps(result, indent=1))
 
 

@@ -41,6 +41,9 @@ def _check(r, n_layers: int):
     assert r["trainable"] and all("adapter" in n for n in r["trainable"])
     assert r["base_changed"] == []
     assert r["adapters_moved"]
+    if r["transformer_impl"] == "transformer_engine":  # LoRA wrapped TransformerEngine's linears
+        assert all(w.split("(")[1].startswith("TE") for w in r["lora_wrapped"]), r["lora_wrapped"]
+    print("bridge e2e:", r["transformer_impl"], r["lora_wrapped"], "losses", r["losses_a"], "lora", r["lora_losses"])
 
 
 def test_bridge_train_save_load_lora_cpu(tmp_path):
