@@ -36,6 +36,7 @@ from . import context_parallel as cpx
 from . import indexer as ix
 from .dsa_config import check_dsa_config
 from .ops import guard_policy, sparse_mla
+from .value_projection import value_up_projection
 
 
 @dataclass
@@ -270,7 +271,7 @@ class GLM5DSAttention(MegatronModule):
             kv_loss = kv_att[:, 0] if G == 1 else kv_att  # un-absorbed MLA: per-head keys
             out = self._attach_indexer_loss(out, index_logits, q_att, kv_loss, indices, lse)
         if absorbed:
-            out = torch.einsum("thc,hdc->thd", out, up_v_weight.to(out.dtype))
+            out = value_up_projection(out, up_v_weight.to(out.dtype))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, H * v]
 
     def _attach_indexer_loss(self, out, index_logits, q_att, kv_att, indices, lse):

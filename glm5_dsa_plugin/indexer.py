@@ -339,30 +339,38 @@ def attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 
 
 class _IndexerKL(torch.autograd.Function):
-    """sum_t KL(target_t || softmax(logits_t)) over valid slots; the gradient in row blocks."""
+    """sum_t KL(target_t || softmax(logits_t)) over valid slots, in row blocks.
+
+    ``target`` (fp32 [T, K], normalised, owned by this function) is overwritten block by block
+    with d(sum)/d(logits) = softmax(logits) * sum(target) - target as the forward goes: the only
+    tensor kept for the backward is that [T, K] gradient (not the logits, target and mask), which
+    the backward scales in place by the incoming gradient. A second backward through the same
+    graph (``retain_graph=True``) is refused, as the kept gradient was scaled by the first."""
 
     @staticmethod
     def forward(ctx, logits, target, valid, chunk_rows, eps):
-        ctx.save_for_backward(logits, target, valid)
-        ctx.chunk_rows = chunk_rows
+        keep = ctx.needs_input_grad[0]
         total = logits.new_zeros(())
         for t0 in range(0, logits.shape[0], chunk_rows):
             sl = slice(t0, t0 + chunk_rows)
             logp = _masked_log_softmax(logits[sl], valid[sl])
             p = target[sl]
             total += (p * (torch.log(p.clamp_min(eps)) - logp)).masked_fill(~valid[sl], 0.0).sum()
+            if keep:
+                p.copy_(logp.exp_().masked_fill_(~valid[sl], 0.0).mul_(p.sum(-1, keepdim=True)).sub_(p))
+        if keep:
+            ctx.save_for_backward(target)
+        ctx.scaled = False
         return total
 
     @staticmethod
     def backward(ctx, g):
-        logits, target, valid = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for t0 in range(0, logits.shape[0], ctx.chunk_rows):
-            sl = slice(t0, t0 + ctx.chunk_rows)
-            q = _masked_log_softmax(logits[sl], valid[sl]).exp().masked_fill(~valid[sl], 0.0)
-            p = target[sl]
-            grad[sl] = (q * p.sum(-1, keepdim=True) - p) * g
-        return grad, None, None, None, None
+        if ctx.scaled:
+            raise RuntimeError("indexer KL loss: a second backward through the same graph (retain_graph=True) is "
+                               "not supported; the loss keeps one gradient buffer, scaled in place by the first")
+        ctx.scaled = True
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(g), None, None, None, None
 
 
 def _masked_log_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -383,8 +391,8 @@ def indexer_kl_loss_from_target(index_logits: torch.Tensor, target: torch.Tensor
     with KL 0. Nothing beyond [T, K] tensors is formed; the gradient is computed in row blocks."""
     valid = indices >= 0
     with torch.no_grad():
-        tgt = target.float().masked_fill(~valid, 0.0)
-        tgt = tgt / tgt.sum(-1, keepdim=True).clamp_min(eps)
+        tgt = target.float().masked_fill(~valid, 0.0)  # a new buffer: _IndexerKL overwrites it
+        tgt.div_(tgt.sum(-1, keepdim=True).clamp_min(eps))
     kl = _IndexerKL.apply(index_logits.float(), tgt, valid, chunk_rows, eps)
     return kl / max(index_logits.shape[0], 1) * coeff
 

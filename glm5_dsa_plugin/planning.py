@@ -125,7 +125,11 @@ def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes:
     * ``key_lists``: with fewer than 64 heads per rank, the row groups' lists (an int32 key and a
       uint8 member byte per padded slot); an upper bound, since ``row_groups="auto"`` drops them
       for shapes whose rows share no key;
-    * ``indexer``: the indexer's q, k and weights in a layer that computes indices."""
+    * ``indexer``: the indexer's q, k and weights in a layer that computes indices;
+    * ``indexer_loss_grad``: the indexer loss's gradient wrt the selected-slot scores, [S_loc, K]
+      fp32, the one tensor the loss keeps (computed in its forward);
+    * ``value_out``: the value up-projection's output [S_loc, H * v_head_dim] (bf16), which the
+      output projection keeps."""
     from .ops.tilelang.backend import TileLangBackend
     from .ops.tilelang.plan import padded_topk
 
@@ -141,6 +145,8 @@ def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes:
     parts["key_lists"] = -(-S_loc // R) * R * k_pad * 5 if R > 1 else 0
     parts["indexer"] = ((S_loc * card["index_n_heads"] * card["index_head_dim"] * 2 + seq * card["index_head_dim"] * 2
                          + S_loc * card["index_n_heads"] * 4) if computes else 0)
+    parts["indexer_loss_grad"] = S_loc * topk * 4 * computes
+    parts["value_out"] = S_loc * H * card["v_head_dim"] * 2
     return parts
 
 
@@ -159,12 +165,13 @@ def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: 
       into global order (zigzag layout only; the contiguous layout gathers in global order);
     * ``topk``: one row block of the indexer's top-k over local query rows against all ``T`` keys
       (int64 keys, as ``select_topk`` sizes the block, and ``topk``'s int64 values and indices);
-    * ``indexer_loss``: the fused loss path: [S_loc, K] fp32 logits, target (raw and normalised),
-      their gradient and one row block of the KL's temporaries, and the indexer keys' fp32
-      gradient accumulator; nothing of size [S_loc, K, D];
-    * ``backward``: the gathered kv's gradient (TileLang's fp32 dKV plus its bf16 result; the
-      zigzag layout's reorder buffer before the reduce-scatter), the indexer keys' gradient, the
-      local dq."""
+    * ``indexer_loss``: the fused loss's forward: [S_loc, K] fp32 logits and raw target (the
+      normalised target becomes the kept gradient, in :func:`attention_activation_parts`) and
+      one row block of the KL's temporaries; nothing of size [S_loc, K, D];
+    * ``backward``: the incoming gradient of the latent attention output [S_loc, H, kv_lora_rank],
+      the gathered kv's gradient (TileLang's fp32 dKV plus its bf16 result; the zigzag layout's
+      reorder buffer before the reduce-scatter), the guard's fp32 row-repair accumulator over the
+      gathered kv, the indexer keys' gradient (fp32 accumulator and result), the local dq."""
     H, Di = card["num_attention_heads"] // tp, card["index_head_dim"]
     S_loc, T, K = seq // cp, seq, card["index_topk"]
     dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
@@ -172,10 +179,10 @@ def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: 
     gather = dict(kv=T * dq * 2 * reorder, indexer_k=T * Di * 2 * reorder * computes)
     rows = min(S_loc, max(1, ix._KEY_CHUNK_BYTES // (8 * T)))  # select_topk's row block on a GPU
     topk = dict(keys=rows * T * 8, topk_out=rows * K * 16) if computes else {}
-    loss = dict(logits=S_loc * K * 4, target=S_loc * K * 4 * 2, logits_grad=S_loc * K * 4,
-                kl_block=min(S_loc, 4096) * K * 4 * 4, indexer_dk_fp32=T * Di * 4) if computes else {}
-    backward = dict(dkv=(T + 1) * dq * (4 + 2) + T * dq * 2 * reorder, dq=S_loc * H * dq * 2,
-                    indexer_dk=(T * Di * 2 * (1 + reorder)) * computes)
+    loss = dict(logits=S_loc * K * 4, target=S_loc * K * 4, kl_block=min(S_loc, 4096) * K * 4 * 4) if computes else {}
+    backward = dict(d_out=S_loc * H * card["kv_lora_rank"] * 2,
+                    dkv=(T + 1) * dq * (4 + 2) + T * dq * 2 * reorder, repair_acc=(T + 1) * dq * 4,
+                    dq=S_loc * H * dq * 2, indexer_dk=(T * Di * (4 + 2 * (1 + reorder))) * computes)
     return dict(gather=gather, topk=topk, indexer_loss=loss, backward=backward)
 
 

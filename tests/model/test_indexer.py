@@ -227,3 +227,52 @@ def test_indexer_loss_equals_megatron_core():
                              0.2, 0.001, True, pg).backward()
     want = dense_leaf.grad[0].gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0.0)
     torch.testing.assert_close(logits.grad.masked_fill(idx < 0, 0.0), want, rtol=1e-5, atol=1e-10)
+
+
+def test_indexer_kl_gradient_in_row_blocks_scaled_by_the_upstream_gradient():
+    """The loss keeps only its [T, K] gradient, written block by block in the forward: row blocks
+    smaller than T give the unblocked value and gradient, the upstream gradient scales it, and a
+    second backward through the same graph is refused (the kept gradient was scaled in place)."""
+    torch.manual_seed(4)
+    T, K = 23, 7
+    logits = torch.randn(T, K)
+    idx = torch.randint(0, 50, (T, K))
+    idx[3, 4:] = -1
+    idx[5] = -1  # a row without a valid slot counts with KL 0
+    target = torch.rand(T, K)
+    valid = idx >= 0
+    # plain autograd on the definition
+    leaf = logits.clone().requires_grad_(True)
+    p = target.masked_fill(~valid, 0.0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-10)
+    logq = torch.log_softmax(leaf.masked_fill(~valid, float("-inf")), -1).masked_fill(~valid, 0.0)
+    want = (p * (torch.log(p.clamp_min(1e-10)) - logq)).masked_fill(~valid, 0.0).sum() / T * 0.3
+    (want * 2.5).backward()
+    for rows in (3, 4096):
+        x = logits.clone().requires_grad_(True)
+        got = ix.indexer_kl_loss_from_target(x, target.clone(), idx, 0.3, chunk_rows=rows)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-8)
+        (got * 2.5).backward(retain_graph=True)
+        torch.testing.assert_close(x.grad, leaf.grad, rtol=1e-5, atol=1e-8)
+        with pytest.raises(RuntimeError, match="second backward"):
+            got.backward()
+    with torch.no_grad():  # no gradient asked: nothing kept, same value
+        torch.testing.assert_close(ix.indexer_kl_loss_from_target(logits, target, idx, 0.3, chunk_rows=5), want.detach(),
+                                   rtol=1e-6, atol=1e-8)
+
+
+def test_indexer_kl_keeps_one_tk_tensor_for_backward():
+    """What the loss keeps for its backward: its [T, K] fp32 gradient, nothing else (the planner's
+    ``indexer_loss_grad``); not the logits, the target and the mask."""
+    T, K = 16, 5
+    logits = torch.randn(T, K, requires_grad=True)
+    idx = torch.randint(0, 30, (T, K))
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = ix.indexer_kl_loss_from_target(logits, torch.rand(T, K), idx, 0.1)
+    assert [(tuple(t.shape), t.dtype) for t in kept] == [((T, K), torch.float32)]
+    loss.backward()
