@@ -88,7 +88,7 @@ def _zigzag_rope_mla(fmt):
     return ZigzagPositions
 
 
-def _run_case(name, cp, device="cpu"):
+def _run_case(name, cp, device="cpu", config=None):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from glm5_dsa_plugin import cards
@@ -96,7 +96,7 @@ def _run_case(name, cp, device="cpu"):
     fmt, sizes, padded = CASES[name]
     card = _card(sharing=True)
     cfg = cards.card_to_transformer_config(card, mtp_num_layers=None, context_parallel_size=cp,
-                                           cp_comm_type="all_gather" if cp > 1 else None)
+                                           cp_comm_type="all_gather" if cp > 1 else None, **(config or {}))
     pgc = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
     rank = torch.distributed.get_rank(pgc.cp) if cp > 1 else 0
     rows = _local_rows(fmt, sizes, padded, cp, rank)
@@ -124,7 +124,8 @@ def _run_case(name, cp, device="cpu"):
     return res
 
 
-def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu"):
+def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu", config=None):
+    """Every CP size in ``cps``, every case; ``config``: overrides of the TransformerConfig fields."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -138,7 +139,7 @@ def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu"):
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(context_parallel_size=cp)
         for name in CASES:
-            res[(name, cp)] = _run_case(name, cp, device)
+            res[(name, cp)] = _run_case(name, cp, device, config)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -3,7 +3,8 @@
 paths: the reference attention in fp32 (exact checks; the fused Triton indexer scores with local
 query rows against the gathered keys), and the TileLang kernels in bf16 (bf16 tolerances). Also the
 whole self-attention module under slime's contiguous layout (tests/model/test_cp_mla_cpu.py's cases
-and checks, fp32 reference attention, RoPE on the GPU)."""
+and checks, fp32 reference attention, RoPE on the GPU), also with megatron-core's selective recompute
+of the MLA up projections."""
 
 import tempfile
 
@@ -31,11 +32,17 @@ def test_gpu_cp2_matches_cp1(gpu_cp_results, name):
     check_parity(results, name, 2, 2, bf16=variant == "tilelang")
 
 
-@pytest.fixture(scope="module")
-def gpu_mla_cp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp_mla_gpu")
+# megatron-core's selective recompute of the MLA up projections and RoPE (CUDA RNG states: GPU only)
+MLA_CONFIGS = {"plain": {}, "recompute_mla_up_proj": dict(recompute_granularity="selective",
+                                                         recompute_modules=["mla_up_proj"])}
+
+
+@pytest.fixture(scope="module", params=list(MLA_CONFIGS))
+def gpu_mla_cp_results(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"cp_mla_gpu_{request.param}")
     store = tempfile.NamedTemporaryFile(prefix="glm5_dsa_cp_mla_gpu_", delete=False).name
-    mp.spawn(mla._worker, args=(store, str(out), 2, (1, 2), "cuda"), nprocs=2, join=True)
+    mp.spawn(mla._worker, args=(store, str(out), 2, (1, 2), "cuda", MLA_CONFIGS[request.param]), nprocs=2,
+             join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
