@@ -114,7 +114,10 @@ def _check_config(config) -> None:
 
 def dsa_attention_spec(config, backend=None, cp_layout: str = "zigzag") -> ModuleSpec:
     """AbsorbedMLASelfAttention whose core attention is :class:`GLM5DSAttention`; ``cp_layout`` is
-    the allgather-CP layout (see :mod:`glm5_dsa_plugin.context_parallel`)."""
+    the allgather-CP layout (see :mod:`glm5_dsa_plugin.context_parallel`). With the contiguous
+    layout and ``context_parallel_size > 1`` the self-attention module is
+    :class:`~glm5_dsa_plugin.contiguous_cp_mla.ContiguousCPAbsorbedMLA` (megatron-core's MLA with
+    RoPE at the contiguous layout's positions; same parameters), on either backend."""
     from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
         AbsorbedMLASelfAttention,
         AbsorbedMLASelfAttentionSubmodules,
@@ -140,8 +143,13 @@ def dsa_attention_spec(config, backend=None, cp_layout: str = "zigzag") -> Modul
             )
         ),
     )
+    mla = AbsorbedMLASelfAttention
+    if cp_layout == "contiguous" and (getattr(config, "context_parallel_size", 1) or 1) > 1:
+        from .contiguous_cp_mla import ContiguousCPAbsorbedMLA
+
+        mla = ContiguousCPAbsorbedMLA
     return ModuleSpec(
-        module=AbsorbedMLASelfAttention,
+        module=mla,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=AbsorbedMLASelfAttentionSubmodules(
             linear_q_proj=backend.column_parallel_linear(),
@@ -211,17 +219,11 @@ def check_index_sharing_split(config, layer_ids: list[int]) -> None:
 
 
 def _cp_layout(args, config) -> str:
-    """The core attention's CP layout; refuses the contiguous one where megatron-core's MLA would
-    rotate q / k by the wrong positions."""
-    layout = cpx.layout_from_args(args)
-    if layout == "contiguous" and (getattr(config, "context_parallel_size", 1) or 1) > 1:
-        raise ValueError(
-            "glm5_dsa_plugin.spec: --allgather-cp (slime's contiguous CP layout) with context_parallel_size > 1: "
-            "megatron-core 0.19.2's AbsorbedMLASelfAttention, which this spec uses, applies RoPE to q / k assuming "
-            "its zigzag CP layout, so positions would be wrong. Drop --allgather-cp and set cp_comm_type='allgather' "
-            "(zigzag), or use GLM5DSAttention(cp_layout='contiguous') as the core attention of an MLA that rotates by "
-            "contiguous positions (as slime's own GLM-5 MLA does)")
-    return layout
+    """The allgather-CP layout the caller's arguments ask for: ``"contiguous"`` with slime's
+    ``--allgather-cp`` (``args.allgather_cp``), else megatron-core's ``"zigzag"``. Under CP > 1 the
+    contiguous layout also selects :class:`~glm5_dsa_plugin.contiguous_cp_mla.ContiguousCPAbsorbedMLA`
+    (see :func:`dsa_attention_spec`), so q / k are rotated by the positions each rank holds."""
+    return cpx.layout_from_args(args)
 
 
 def _prepare(args, config, vp_stage, pp_rank, mtp: bool = False):

@@ -36,6 +36,9 @@ Client flags:
   ``config.<CP_LAYOUT_FIELD> = ALLGATHER_CP_LAYOUT`` (``glm5_dsa_cp_layout = "contiguous"``), the
   field the core attention reads to know the token layout. A ``cp_comm_type`` already set to
   ``a2a`` or ``a2a+p2p`` is refused (None and ``p2p``, megatron-training's default, are replaced).
+  With ``context_parallel_size > 1`` the spec's self-attention is
+  :class:`~glm5_dsa_plugin.contiguous_cp_mla.ContiguousCPAbsorbedMLA`, which rotates q / k by the
+  positions of these contiguous chunks (megatron-core's MLA assumes its zigzag split).
 * ``--freeze-indexer`` (slime, miles): applied by slime / miles themselves, by parameter name
   (``...self_attention.core_attention.indexer.*``, which are our names); nothing to do here.
 * ``--miles-dsa-topk-backend`` (miles): selects miles' own top-k kernel; our indexer has its own,

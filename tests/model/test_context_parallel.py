@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from glm5_dsa_plugin import context_parallel as cpx
+from megatron_cpu import megatron_single_process  # noqa: F401
 
 CPU = torch.device("cpu")
 
@@ -72,15 +73,65 @@ def test_layout_from_slime_args():
     assert cpx.layout_from_args(None) == "zigzag"
 
 
-def test_spec_refuses_slime_layout_under_megatron_mla():
-    """megatron-core's MLA rotates q / k by zigzag positions: the spec refuses --allgather-cp with CP > 1."""
-    from glm5_dsa_plugin import cards
-    from glm5_dsa_plugin.spec import get_glm5_dsa_spec
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_positions_in_sequence_thd(layout, cp):
+    """Each local row's offset in its own sequence, sequences cut across ranks included, against the
+    positions of the global packed stream (``Visibility``) at the rows the rank holds (slime's chunk
+    for the contiguous layout, megatron-core's own split for zigzag)."""
+    from glm5_dsa_plugin.indexer import Visibility
+    from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
-    class Args:
+    for real, padded in (([8, 24, 0, 16], None), ([13, 7, 20, 6], [16, 8, 24, 16])):
+        cu = torch.tensor([0] + real).cumsum(0)
+        cu_pad = None if padded is None else torch.tensor([0] + padded).cumsum(0)
+        extent = cu if cu_pad is None else cu_pad
+        T = int(extent[-1])
+        want_all = Visibility.from_cu_seqlens(cu, cu_seqlens_padded=cu_pad).query_pos
+        for rank in range(cp):
+            if layout == "contiguous":
+                rows = torch.arange(T).chunk(cp)[rank]
+            else:
+                rows = dsa_layout.build_packed_allgather_cp_local_positions(
+                    extent, cp, rank, CPU, output_size=T // cp, cu_seqlens_cover_output=True)
+            got = cpx.positions_in_sequence(layout, cp, rank, T // cp, cu_seqlens=cu, cu_seqlens_padded=cu_pad)
+            assert torch.equal(got, want_all[rows]), (real, padded, rank)
+
+
+def test_positions_in_sequence_bshd_and_errors():
+    S, b, cp = 12, 2, 3
+    for rank in range(cp):  # every row holds positions [rank * s_loc, (rank + 1) * s_loc)
+        got = cpx.positions_in_sequence("contiguous", cp, rank, b * S // cp, batch=b)
+        assert torch.equal(got, torch.arange(S).chunk(cp)[rank].repeat(b))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 40 global tokens.*holds 16 rows \(32 over"):
+        cpx.positions_in_sequence("contiguous", 2, 0, 16, cu_seqlens=torch.tensor([0, 24, 40]))
+
+
+def test_spec_builds_contiguous_cp_mla_for_slime_layout(megatron_single_process):
+    """--allgather-cp with CP > 1: every layer (and the MTP layer) gets the MLA that rotates q / k by
+    contiguous positions, with the contiguous core attention; CP = 1 or the zigzag layout keep
+    megatron-core's class."""
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
+
+    from glm5_dsa_plugin import cards
+    from glm5_dsa_plugin.contiguous_cp_mla import ContiguousCPAbsorbedMLA
+    from glm5_dsa_plugin.spec import get_glm5_dsa_mtp_spec, get_glm5_dsa_spec
+
+    class Slime:
         allgather_cp = True
 
-    cfg = cards.card_to_transformer_config(cards.load_card("tiny"), context_parallel_size=2, mtp_num_layers=None,
-                                           cp_comm_type="allgather")
-    with pytest.raises(ValueError, match="AbsorbedMLASelfAttention, which this spec uses, applies RoPE"):
-        get_glm5_dsa_spec(Args(), cfg)
+    def attention_specs(args, cp):
+        cfg = cards.card_to_transformer_config(cards.load_card("tiny"), context_parallel_size=cp,
+                                               cp_comm_type="allgather")
+        block, mtp = get_glm5_dsa_spec(args, cfg), get_glm5_dsa_mtp_spec(args, cfg)
+        layers = block.layer_specs + [m.submodules.mtp_model_layer for m in mtp.layer_specs]
+        return [ls.submodules.self_attention for ls in layers]
+
+    for args, cp, mla, layout in ((Slime(), 2, ContiguousCPAbsorbedMLA, "contiguous"),
+                                  (Slime(), 1, AbsorbedMLASelfAttention, "contiguous"),
+                                  (None, 2, AbsorbedMLASelfAttention, "zigzag")):
+        specs = attention_specs(args, cp)
+        assert len(specs) == 5
+        for att in specs:
+            assert att.module is mla, (cp, layout)
+            assert att.submodules.core_attention.params["cp_layout"] == layout

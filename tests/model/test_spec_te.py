@@ -170,3 +170,31 @@ def test_te_mtp_block_matches_megatron_core(fake_te):
     assert len(ours.layer_specs) == len(ref.layer_specs) == 1
     problems = _diff(tree(ours, te_names), tree(ref, te_names), "mtp")
     assert not problems, "\n".join(problems)
+
+
+def test_te_slime_allgather_cp_differs_only_in_the_mla_class(fake_te):
+    """slime's --allgather-cp at CP = 2: every layer's self-attention is ContiguousCPAbsorbedMLA
+    (megatron-core's MLA with RoPE at the contiguous layout's positions); with that class named as
+    megatron-core's, the block equals megatron-core's own DSA block."""
+    import argparse
+
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
+
+    from glm5_dsa_plugin.contiguous_cp_mla import ContiguousCPAbsorbedMLA
+
+    mc_exp, _ = fake_te
+    cfg = _te_config(context_parallel_size=2, cp_comm_type="allgather")
+    ours = spec.get_glm5_dsa_spec(argparse.Namespace(allgather_cp=True), cfg)
+    ref = mc_exp.get_transformer_block_with_experimental_attention_variant_spec(cfg)
+    te_names = _te_names()
+    attention = [a.submodules.self_attention for a in ours.layer_specs]
+    for i, att in enumerate(attention):
+        assert att.module is ContiguousCPAbsorbedMLA, f"layer{i}"
+        assert att.submodules.core_attention.params["cp_layout"] == "contiguous", f"layer{i}"
+    for att in attention:  # our spec objects (shared by layers of one kind), built for this test
+        att.module = AbsorbedMLASelfAttention
+    problems = []
+    for i, (a, b) in enumerate(zip(ours.layer_specs, ref.layer_specs)):
+        problems += _diff(tree(a, te_names), tree(b, te_names), f"layer{i}")
+    assert len(ours.layer_specs) == len(ref.layer_specs) == 4
+    assert not problems, "\n".join(problems)
