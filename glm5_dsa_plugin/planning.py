@@ -171,7 +171,9 @@ def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: 
     * ``backward``: the incoming gradient of the latent attention output [S_loc, H, kv_lora_rank],
       the gathered kv's gradient (TileLang's fp32 dKV plus its bf16 result; the zigzag layout's
       reorder buffer before the reduce-scatter), the guard's fp32 row-repair accumulator over the
-      gathered kv, the indexer keys' gradient (fp32 accumulator and result), the local dq."""
+      gathered kv, the indexer keys' gradient (fp32 accumulator and result), the local dq, and
+      what the guard keeps of the previous layer's backward until its flags are settled (its q,
+      incoming gradient and prepared indices; nothing when they exceed ``pending_bytes``)."""
     H, Di = card["num_attention_heads"] // tp, card["index_head_dim"]
     S_loc, T, K = seq // cp, seq, card["index_topk"]
     dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
@@ -182,8 +184,21 @@ def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: 
     loss = dict(logits=S_loc * K * 4, target=S_loc * K * 4, kl_block=min(S_loc, 4096) * K * 4 * 4) if computes else {}
     backward = dict(d_out=S_loc * H * card["kv_lora_rank"] * 2,
                     dkv=(T + 1) * dq * (4 + 2) + T * dq * 2 * reorder, repair_acc=(T + 1) * dq * 4,
-                    dq=S_loc * H * dq * 2, indexer_dk=(T * Di * (4 + 2 * (1 + reorder))) * computes)
+                    dq=S_loc * H * dq * 2, indexer_dk=(T * Di * (4 + 2 * (1 + reorder))) * computes,
+                    guard_pending=_guard_pending_bytes(card, H, S_loc, T))
     return dict(gather=gather, topk=topk, indexer_loss=loss, backward=backward)
+
+
+def _guard_pending_bytes(card: dict, H: int, S_loc: int, T: int) -> int:
+    """What the guard keeps of one backward until its flags are settled (``ops.guard``'s pending
+    queue): q, the incoming gradient, the prepared kv and indices; 0 past ``pending_bytes``."""
+    from .ops.guard.config import cfg
+    from .ops.tilelang.plan import padded_topk
+
+    dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
+    kept = (S_loc * H * dq * 2 + S_loc * H * card["kv_lora_rank"] * 2 + (T + 1) * dq * 2
+            + S_loc * padded_topk(card["index_topk"]) * 4 + S_loc * 4)
+    return kept if kept <= cfg.pending_bytes else 0
 
 
 def layer_peak_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool, cp_layout: str = "zigzag",

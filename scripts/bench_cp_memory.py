@@ -7,7 +7,11 @@ through the host), so a single H200 measures what each rank of a CP group alloca
 that computes its indices (indexer, top-k over all gathered keys, sparse MLA, the indexer loss),
 GLM-5's attention geometry from ``--card`` at TP 1, bf16, zigzag bshd layout, batch 1. Peak is
 ``torch.cuda.max_memory_allocated`` over the forward and backward, above what the rank held
-before (weights, its local inputs). An out-of-memory is a row with ``error``, not a crash.
+before (weights, its local inputs but the absorbed query, which the planner counts as the layer's),
+in the second step at each length (the first also holds one-time buffers: kernel autotuning's
+benchmark allocations), after the guard has settled the previous step's flags (what a queued
+call keeps for a possible dump, at most ``pending_bytes``, is released; the planner adds it).
+An out-of-memory is a row with ``error``, not a crash.
 
     python scripts/bench_cp_memory.py --cp 2 --seq 16384,32768,65536,131072 --out benchmarks/results
 
@@ -60,14 +64,18 @@ def _step(att, card: dict, s_loc: int, device: str, dtype) -> int | None:
     def rand(*shape):
         return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(True)
 
-    query, key = rand(s_loc, 1, H, dq), rand(s_loc, 1, 1, dq)
+    key = rand(s_loc, 1, 1, dq)
     x, qr = rand(s_loc, 1, card["hidden_size"]), rand(s_loc, 1, card["q_lora_rank"])
     up_v = (torch.randn(H, dv, lora, device=device, dtype=dtype) * 0.05).requires_grad_(True)
     grad = torch.randn(s_loc, 1, H * dv, device=device, dtype=dtype)
     if device == "cuda":
+        from glm5_dsa_plugin.ops import guard_stats
+
+        guard_stats()  # settles the previous step's queued flags: what they kept is released
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    query = rand(s_loc, 1, H, dq)  # counted: the planner keeps the absorbed q as the layer's activation
     out = att(query, key, None, None, x, qr, packed_seq_params=None, up_v_weight=up_v)
     out.backward(grad)
     if device != "cuda":
@@ -91,6 +99,8 @@ def _worker(rank: int, store: str, args, card: dict, out_dir: str) -> None:
     for seq in (int(s) for s in args.seq.split(",")):
         row = dict(seq=seq, cp=args.cp, rank=rank, peak_gib=None, error=None)
         try:
+            _step(att, card, seq // args.cp, args.device, dtype)  # warm-up: one-time buffers
+            att.zero_grad(set_to_none=True)
             peak = _step(att, card, seq // args.cp, args.device, dtype)
             row["peak_gib"] = None if peak is None else peak / GIB
         except torch.OutOfMemoryError as e:

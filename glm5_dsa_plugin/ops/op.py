@@ -36,6 +36,7 @@ class _SparseMLAFunction(torch.autograd.Function):
             # the forward's index / finiteness flags, read only now that the backward's kernels are
             # queued (its forward finished long ago): raises here, before any gradient is returned
             _guard.settle_through(ctx.pending_flags)
+            ctx.pending_flags = None  # its closure holds q / kv / indices: not past this backward
         return dq, dkv, None, None, None, None, None
 
 

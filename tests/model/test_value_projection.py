@@ -18,8 +18,8 @@ def _check(device, dtype, tol):
     assert y.shape == (T, H, D) and y.is_contiguous()
     y.backward(dy)
     assert seen[0].is_contiguous()  # what the sparse-MLA backward receives: no copy there
-    o2, w2 = o.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    want = torch.einsum("thc,hdc->thd", o2.float(), w2.float())
+    o2, w2 = o.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
+    want = torch.einsum("thc,hdc->thd", o2, w2)
     want.backward(dy.float())
     torch.testing.assert_close(y.float(), want, **tol)
     torch.testing.assert_close(o.grad.float(), o2.grad, **tol)

@@ -877,3 +877,31 @@ def test_row_groups_count_repeated_keys_per_slot(H):
         out2, lse2, saved2 = be.forward_saving(q, kv, idx, SCALE, 512)
         assert torch.equal(saved2[3], saved[3]) and torch.equal(saved2[4], saved[4])
         assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+def test_a_backward_larger_than_pending_bytes_keeps_nothing_after_it():
+    """Fallback on CUDA with a call whose q + grad_out + saved tensors exceed ``pending_bytes``:
+    nothing is kept past the backward (the queue holds 0 bytes, and q is freed with the graph)."""
+    from glm5_dsa_plugin.ops import configure, guard, guard_stats
+
+    configure(policy="fallback", pending_bytes=1 << 20)
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        T, H = 512, 64
+        idx = w2_indices(T, 256, gen)
+        q_leaf = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(T, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        guard_stats()
+        q = q_leaf * 1.0
+        g = torch.randn(T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+        out, lse = sparse_mla(q, kv, idx, SCALE, backend="tilelang")
+        out.backward(g)
+        assert guard.pending.queue.held_bytes == 0 and len(guard.pending.queue._queue) == 1
+        q_bytes = q.untyped_storage().nbytes()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        del q, out, lse
+        assert before - torch.cuda.memory_allocated() >= q_bytes  # freed with the graph, not held
+        assert guard_stats()["events"] == 0
+    finally:
+        configure(pending_bytes=2 << 30)

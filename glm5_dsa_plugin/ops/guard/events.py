@@ -113,11 +113,20 @@ def warn_repaired(kind: str, backend, n_rows: int, path: str | None, stacklevel:
         )
 
 
-def device_repair_event(kind: str, backend, inputs: dict, recompute_bad, n_rows: int, still_bad: bool) -> None:
+def device_repair_event(kind: str, backend, inputs: dict | None, recompute_bad, n_rows: int, still_bad: bool,
+                        no_dump: str | None = None) -> None:
     """Count / warn / dump a device-repaired call once its flags are settled (its bad outputs were
     repaired in place, so ``recompute_bad`` rebuilds them for the dump); raise if the repair itself
-    stayed nonfinite (``still_bad``: the inputs are bad)."""
-    path = event(kind, backend, inputs, recompute_bad, n_rows, extra={"bad_outputs_recomputed": True})
+    stayed nonfinite (``still_bad``: the inputs are bad). ``inputs`` None: the call's tensors were
+    not kept (``no_dump`` says why), so the event is counted and reported without a dump."""
+    if inputs is None:
+        counters.events += 1
+        path = f"none ({no_dump})"
+        if cfg.policy == "raise":
+            raise FloatingPointError(f"sparse_mla {kind} ({backend.name}) produced nonfinite values in {n_rows} "
+                                     f"row(s); no dump: {no_dump}")
+    else:
+        path = event(kind, backend, inputs, recompute_bad, n_rows, extra={"bad_outputs_recomputed": True})
     if not still_bad:
         warn_repaired(kind, backend, n_rows, path, stacklevel=3)
     else:

@@ -115,10 +115,15 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
         dq, dkv = dq.contiguous(), dkv.contiguous()
         kv_v, idx_v = backend.padded_views(saved, topk)
         repair_backward_rows(q, kv_v, idx_v, grad_out, sm_scale, d_v, dq, dkv, flags)
-        # what a dump needs; out and lse (as large as grad_out) are recomputed if one is due
-        call = (backend, q, saved, topk, grad_out, sm_scale, d_v)
-        pending.queue.push(flags, lambda values: _settle_backward_event(values, call),
-                           pending.storage_bytes(q, grad_out, *saved))
+        # what a dump needs; out and lse (as large as grad_out) are recomputed if one is due. A call
+        # whose tensors alone exceed pending_bytes keeps none: they would outlive its backward (into
+        # the next layer's) for a dump that is rarely due; its event is still counted and warned.
+        held = pending.storage_bytes(q, grad_out, *saved)
+        if held <= cfg.pending_bytes:
+            call = (backend, q, saved, topk, grad_out, sm_scale, d_v)
+        else:
+            call, held = (backend, None, held, topk, None, sm_scale, d_v), 0
+        pending.queue.push(flags, lambda values: _settle_backward_event(values, call), held)
         return dq, dkv
     if not slots.read(flags)[Flag.NONFINITE]:  # the one host read
         return dq, dkv
@@ -133,6 +138,13 @@ def _settle_backward_event(values: list[int], call: tuple) -> None:
         return
     events.counters.rows_repaired += values[Flag.ROWS_REPAIRED]
     events.counters.kv_rows_repaired += values[Flag.KV_ROWS_REPAIRED]
+    if q is None:  # its tensors (``saved`` bytes) were not kept
+        events.device_repair_event("backward", backend, None, None,
+                                   values[Flag.ROWS_REPAIRED] + values[Flag.KV_ROWS_REPAIRED],
+                                   bool(values[Flag.STILL_NONFINITE]),
+                                   no_dump=f"its tensors ({saved / 2**30:.2f} GiB) exceed pending_bytes "
+                                           f"({cfg.pending_bytes / 2**30:.2f} GiB, GLM5_DSA_PENDING_BYTES)")
+        return
     kv, indices = backend.originals(saved, topk)
 
     def recompute_bad():
