@@ -310,16 +310,19 @@ def chart(result: dict, path: str) -> None:
         Ts = sorted({r["T"] for r in rows})
         impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
         width = 0.8 / len(impls)
+        failed = []  # (x, label, color) of rows without a time, marked at the axis' foot
         for i, impl in enumerate(impls):
             vals = [next((r["fwd_bwd_ms"] or 0.0 for r in rows if r["T"] == T and r["impl"] == impl), 0.0) for T in Ts]
             bars = ax.bar([j + i * width for j in range(len(Ts))], vals, width, label=impl)
             for b, T in zip(bars, Ts):
                 r = next((r for r in rows if r["T"] == T and r["impl"] == impl), None)
                 if r is not None and r["error"]:
-                    ax.text(b.get_x() + width / 2, 0, "OOM" if "OutOfMemory" in r["error"] else "err",
-                            ha="center", va="bottom", fontsize=7, rotation=90)
-        ax.set_xticks([j + width * (len(impls) - 1) / 2 for j in range(len(Ts))], [f"T={T // 1024}K" for T in Ts])
+                    failed.append((b.get_x() + width / 2, "OOM" if "OutOfMemory" in r["error"] else "not run"
+                                   if r["error"].startswith("not run") else "err", b.get_facecolor()))
         ax.set_yscale("log")
+        for x, label, color in failed:
+            ax.text(x, ax.get_ylim()[0] * 1.15, label, ha="center", va="bottom", fontsize=7, rotation=90, color=color)
+        ax.set_xticks([j + width * (len(impls) - 1) / 2 for j in range(len(Ts))], [f"T={T // 1024}K" for T in Ts])
         ax.set_ylabel("layer fwd+bwd ms (log)")
         ax.set_title(f"GLM-5 {layer} layer, {result['gpu']}")
         ax.legend(fontsize=8)
