@@ -139,8 +139,10 @@ def _to_cpu(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu", variant="reference"):
-    """Every CP size in ``cps`` (world // cp CP groups), every case; gloo (CUDA tensors go through the host)."""
+def run_cp_cases(rank, store, out_dir, world, cps, device, cases, run_case):
+    """One spawned rank: for every CP size in ``cps`` (world // cp CP groups) and every case,
+    ``run_case(name, cp)``; the results go to ``out_dir/rank{rank}.pt``. gloo (CUDA tensors go
+    through the host)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -153,10 +155,16 @@ def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu", vari
     for cp in cps:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(context_parallel_size=cp)
-        for name in CASES:
-            res[(name, cp)] = _run_case(name, cp, rank, device, variant)
+        for name in cases:
+            res[(name, cp)] = run_case(name, cp)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu", variant="reference"):
+    """Every CP size in ``cps``, every case (:func:`run_cp_cases`)."""
+    run_cp_cases(rank, store, out_dir, world, cps, device, CASES,
+                 lambda name, cp: _run_case(name, cp, rank, device, variant))
 
 
 @pytest.fixture(scope="module")

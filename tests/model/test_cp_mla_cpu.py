@@ -16,7 +16,6 @@ its output must miss the CP = 1 one by far more than the tolerance, so the parit
 q / k were rotated that way.
 """
 
-import os
 import tempfile
 
 import pytest
@@ -24,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_cpu import megatron_single_process  # noqa: F401
-from test_cp_cpu import LAYERS_SHARING, _card, _close, _packed, _to_cpu
+from test_cp_cpu import LAYERS_SHARING, _card, _close, _packed, _to_cpu, run_cp_cases
 
 WORLD = 4
 # name: (format, real lengths (THD) or (S, B) (bshd), padded lengths or None). THD lengths: sequence 1
@@ -126,22 +125,7 @@ def _run_case(name, cp, device="cpu", config=None):
 
 def _worker(rank, store, out_dir, world=WORLD, cps=(1, 2, 4), device="cpu", config=None):
     """Every CP size in ``cps``, every case; ``config``: overrides of the TransformerConfig fields."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if device == "cpu":
-        torch.cuda.current_device = lambda: "cpu"  # megatron-core asks CUDA for a device (tests/megatron_cpu.py)
-    else:
-        torch.cuda.set_device(0)  # all ranks share the one GPU
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    res = {}
-    for cp in cps:
-        ps.destroy_model_parallel()
-        ps.initialize_model_parallel(context_parallel_size=cp)
-        for name in CASES:
-            res[(name, cp)] = _run_case(name, cp, device, config)
-    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    run_cp_cases(rank, store, out_dir, world, cps, device, CASES, lambda name, cp: _run_case(name, cp, device, config))
 
 
 @pytest.fixture(scope="module")
