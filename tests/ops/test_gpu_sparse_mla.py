@@ -603,6 +603,21 @@ def test_device_side_backward_repair(tmp_path, H):
     assert dump["bad_outputs_recomputed"] and torch.isnan(dump["bad_outputs"]["dq"]).any()
 
 
+def _queued_backward_inputs():
+    """(q_leaf, q, kv, idx, grad_out) of a 512-row, 64-head call with the guard's queue settled; q is
+    no leaf (q_leaf * 1), so once the graph is gone only the guard's queue can hold it."""
+    from glm5_dsa_plugin.ops import guard_stats
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    T, H = 512, 64
+    idx = w2_indices(T, 256, gen)
+    q_leaf = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(T, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    guard_stats()
+    g = torch.randn(T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return q_leaf, q_leaf * 1.0, kv, idx, g
+
+
 def test_a_queued_backward_keeps_its_inputs_not_its_outputs():
     """Fallback on CUDA: until its flags are settled, a recorded call's backward keeps what a dump
     would need (q, grad_out, the saved index tensors) and nothing else: out is released with the
@@ -610,14 +625,7 @@ def test_a_queued_backward_keeps_its_inputs_not_its_outputs():
     from glm5_dsa_plugin.ops import configure, guard, guard_stats
 
     configure(policy="fallback")
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    T, H = 512, 64
-    idx = w2_indices(T, 256, gen)
-    q_leaf = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    kv = torch.randn(T, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    guard_stats()
-    q = q_leaf * 1.0  # no leaf: once the graph is gone only the guard's queue holds it
-    g = torch.randn(T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q_leaf, q, kv, idx, g = _queued_backward_inputs()
     out, lse = sparse_mla(q, kv, idx, SCALE, backend="tilelang")
     out_bytes = out.untyped_storage().nbytes()
     out.backward(g)
@@ -886,14 +894,7 @@ def test_a_backward_larger_than_pending_bytes_keeps_nothing_after_it():
 
     configure(policy="fallback", pending_bytes=1 << 20)
     try:
-        gen = torch.Generator(device="cuda").manual_seed(3)
-        T, H = 512, 64
-        idx = w2_indices(T, 256, gen)
-        q_leaf = torch.randn(T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        kv = torch.randn(T, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        guard_stats()
-        q = q_leaf * 1.0
-        g = torch.randn(T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
+        q_leaf, q, kv, idx, g = _queued_backward_inputs()
         out, lse = sparse_mla(q, kv, idx, SCALE, backend="tilelang")
         out.backward(g)
         assert guard.pending.queue.held_bytes == 0 and len(guard.pending.queue._queue) == 1
