@@ -573,17 +573,16 @@ def test_a_backward_too_large_to_keep_is_counted_and_warned_without_a_dump(fault
     monkeypatch.setattr(guard_pending, "queue", pending)
     monkeypatch.setattr(guard_events, "_warned", False)
     big = 3 << 30
-    args = (faulty, None, big, 8, None, 0.4, 8)
     flags = torch.zeros(guard.FLAG_SLOTS, dtype=torch.int32)
     flags[Flag.NONFINITE], flags[Flag.ROWS_REPAIRED] = 1, 2
     before = (guard_events.counters.events, guard_events.counters.rows_repaired, list(guard_events.counters.dumps))
-    pending.push(flags, lambda values: guard_run._settle_backward_event(values, args))
+    pending.push(flags, lambda values: guard_run._settle_backward_event(values, (faulty,), unkept_bytes=big))
     with pytest.warns(RuntimeWarning, match=r"repaired.*Dump: none \(its tensors \(3.00 GiB\) exceed pending_bytes "
                                             r"\(2.00 GiB, GLM5_DSA_PENDING_BYTES\)\)"):
         pending.settle(wait_all=True)
     c = guard_events.counters
     assert (c.events, c.rows_repaired, c.dumps) == (before[0] + 1, before[1] + 2, before[2])
     flags[Flag.STILL_NONFINITE] = 1
-    pending.push(flags, lambda values: guard_run._settle_backward_event(values, args))
+    pending.push(flags, lambda values: guard_run._settle_backward_event(values, (faulty,), unkept_bytes=big))
     with pytest.raises(FloatingPointError, match=r"even in the reference repair.*dump: none \(its tensors"):
         pending.settle(wait_all=True)

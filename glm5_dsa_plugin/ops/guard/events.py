@@ -82,12 +82,14 @@ def dump(kind: str, backend_name: str, inputs: dict, bad: dict | None, extra: di
     return path
 
 
-def event(kind: str, backend, inputs: dict, bad, n_rows: int, extra: dict | None = None) -> str | None:
+def event(kind: str, backend, inputs: dict | None, bad, n_rows: int, extra: dict | None = None,
+          no_dump: str | None = None) -> str | None:
     """Count and dump an event (``raise``: raise here) -> the dump's path. The caller warns with
     ``warn_repaired`` once the repair is known to be finite: a repair that stays nonfinite
-    raises instead, and a warning saying "repaired" before that error would be wrong."""
+    raises instead, and a warning saying "repaired" before that error would be wrong.
+    ``inputs`` None: the call's tensors were not kept (``no_dump`` says why); no dump."""
     counters.events += 1
-    path = dump(kind, backend.name, inputs, bad, extra)
+    path = f"none ({no_dump})" if inputs is None else dump(kind, backend.name, inputs, bad, extra)
     if cfg.policy == "raise":
         raise FloatingPointError(
             f"sparse_mla {kind} ({backend.name}) produced nonfinite values (or, forward, rows outside the range its "
@@ -119,14 +121,8 @@ def device_repair_event(kind: str, backend, inputs: dict | None, recompute_bad, 
     repaired in place, so ``recompute_bad`` rebuilds them for the dump); raise if the repair itself
     stayed nonfinite (``still_bad``: the inputs are bad). ``inputs`` None: the call's tensors were
     not kept (``no_dump`` says why), so the event is counted and reported without a dump."""
-    if inputs is None:
-        counters.events += 1
-        path = f"none ({no_dump})"
-        if cfg.policy == "raise":
-            raise FloatingPointError(f"sparse_mla {kind} ({backend.name}) produced nonfinite values in {n_rows} "
-                                     f"row(s); no dump: {no_dump}")
-    else:
-        path = event(kind, backend, inputs, recompute_bad, n_rows, extra={"bad_outputs_recomputed": True})
+    path = event(kind, backend, inputs, recompute_bad, n_rows, extra={"bad_outputs_recomputed": True},
+                 no_dump=no_dump)
     if not still_bad:
         warn_repaired(kind, backend, n_rows, path, stacklevel=3)
     else:

@@ -121,9 +121,9 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
         held = pending.storage_bytes(q, grad_out, *saved)
         if held <= cfg.pending_bytes:
             call = (backend, q, saved, topk, grad_out, sm_scale, d_v)
+            pending.queue.push(flags, lambda values: _settle_backward_event(values, call), held)
         else:
-            call, held = (backend, None, held, topk, None, sm_scale, d_v), 0
-        pending.queue.push(flags, lambda values: _settle_backward_event(values, call), held)
+            pending.queue.push(flags, lambda values: _settle_backward_event(values, (backend,), unkept_bytes=held))
         return dq, dkv
     if not slots.read(flags)[Flag.NONFINITE]:  # the one host read
         return dq, dkv
@@ -131,20 +131,21 @@ def run_backward(backend, q, saved, topk, out, lse, grad_out, sm_scale, d_v):
     return repair_backward(backend, q, kv, indices, grad_out, sm_scale, d_v, dq, dkv, stacklevel=3)
 
 
-def _settle_backward_event(values: list[int], call: tuple) -> None:
-    """Count, warn, dump (and raise if even the repair was nonfinite) for a device-repaired backward."""
-    backend, q, saved, topk, grad_out, sm_scale, d_v = call
+def _settle_backward_event(values: list[int], call: tuple, unkept_bytes: int = 0) -> None:
+    """Count, warn, dump (and raise if even the repair was nonfinite) for a device-repaired backward.
+    ``call``: (backend, q, saved, topk, grad_out, sm_scale, d_v), or (backend,) with
+    ``unkept_bytes``, the size of the tensors that were not kept (no dump then)."""
     if not values[Flag.NONFINITE]:
         return
     events.counters.rows_repaired += values[Flag.ROWS_REPAIRED]
     events.counters.kv_rows_repaired += values[Flag.KV_ROWS_REPAIRED]
-    if q is None:  # its tensors (``saved`` bytes) were not kept
-        events.device_repair_event("backward", backend, None, None,
-                                   values[Flag.ROWS_REPAIRED] + values[Flag.KV_ROWS_REPAIRED],
-                                   bool(values[Flag.STILL_NONFINITE]),
-                                   no_dump=f"its tensors ({saved / 2**30:.2f} GiB) exceed pending_bytes "
+    n_rows, still_bad = values[Flag.ROWS_REPAIRED] + values[Flag.KV_ROWS_REPAIRED], bool(values[Flag.STILL_NONFINITE])
+    if unkept_bytes:
+        events.device_repair_event("backward", call[0], None, None, n_rows, still_bad,
+                                   no_dump=f"its tensors ({unkept_bytes / 2**30:.2f} GiB) exceed pending_bytes "
                                            f"({cfg.pending_bytes / 2**30:.2f} GiB, GLM5_DSA_PENDING_BYTES)")
         return
+    backend, q, saved, topk, grad_out, sm_scale, d_v = call
     kv, indices = backend.originals(saved, topk)
 
     def recompute_bad():
@@ -154,5 +155,4 @@ def _settle_backward_event(values: list[int], call: tuple) -> None:
 
     events.device_repair_event("backward", backend,
                                dict(q=q, kv=kv, indices=indices, grad_out=grad_out, sm_scale=sm_scale, d_v=d_v),
-                               recompute_bad, values[Flag.ROWS_REPAIRED] + values[Flag.KV_ROWS_REPAIRED],
-                               bool(values[Flag.STILL_NONFINITE]))
+                               recompute_bad, n_rows, still_bad)
