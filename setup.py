@@ -2,7 +2,7 @@
 
 The cards stay at the repository's top level (``layer_specs/``); every build (wheel, sdist -> wheel,
 editable) copies them to ``glm5_dsa_plugin/layer_specs/`` in the build tree, where
-``glm5_dsa_plugin.cards`` finds them through ``importlib.resources``. Everything else is in
+``glm5_dsa_plugin.checkpoints.cards`` finds them through ``importlib.resources``. Everything else is in
 pyproject.toml.
 """
 

@@ -1,3 +1,3 @@
 """glm5-dsa-plugin: exact, validated, fast GLM-5 DSA for Megatron-core / Megatron-Bridge."""
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"

@@ -10,7 +10,7 @@ def main(argv=None) -> int:
     sub.add_parser("doctor", help="versions, GPU, backend choice, known-bad TileLang, kernel self-check")
     args = ap.parse_args(argv)
     if args.cmd == "doctor":
-        from .doctor import run
+        from .ops.doctor import run
 
         return run()
     return 2

@@ -31,7 +31,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from glm5_dsa_plugin import cards, planning  # noqa: E402
+from glm5_dsa_plugin.checkpoints import cards
+from glm5_dsa_plugin import planning  # noqa: E402
 
 GIB = 2**30
 
@@ -41,7 +42,7 @@ def _core_attention(card: dict, cp: int, device: str):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import build_module
 
-    from glm5_dsa_plugin.spec import dsa_attention_spec
+    from glm5_dsa_plugin.megatron.spec import dsa_attention_spec
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = cards.card_to_transformer_config(card, mtp_num_layers=None, context_parallel_size=cp,

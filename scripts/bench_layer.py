@@ -59,7 +59,7 @@ TINY = dict(hidden_size=128, num_attention_heads=4, q_lora_rank=64, kv_lora_rank
 
 
 def make_config(dims, layer: str, impl: str, device: str, reuse: bool = False):
-    from glm5_dsa_plugin import cards
+    from glm5_dsa_plugin.checkpoints import cards
 
     card = cards.with_overrides(cards.load_card("glm5"), **dims, num_hidden_layers=2 if reuse else 1,
                                 first_k_dense_replace=0 if layer == "moe" else 2,
@@ -78,7 +78,7 @@ def build_layer(cfg, layer: str, impl: str, layer_number: int = 1):
     from megatron.core.transformer.spec_utils import build_module, ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from glm5_dsa_plugin import spec
+    from glm5_dsa_plugin.megatron import spec
 
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
@@ -165,7 +165,7 @@ def reset_index_holders(cfg):
 
 def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     """Each DSA part of our layer timed alone at the layer's shapes (fwd + bwd where it has one)."""
-    from glm5_dsa_plugin import indexer as ix
+    from glm5_dsa_plugin.model import indexer as ix
     from glm5_dsa_plugin.ops import sparse_mla
 
     attn = lay.self_attention
@@ -207,7 +207,7 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
 
 def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
     """Ours vs megatron-core's layer as index-reusing layers handed the same top-k: output and grads."""
-    from glm5_dsa_plugin import indexer as ix
+    from glm5_dsa_plugin.model import indexer as ix
 
     cfgs = {impl: make_config(dims, layer, impl, device, reuse=True) for impl in ("ours", "mcore_sparse")}
     torch.manual_seed(0)

@@ -265,7 +265,7 @@ def indexer_speed(gen, lengths: str):
     rows = []
     for T in [int(x) for x in lengths.split(",") if x]:
         try:
-            from glm5_dsa_plugin import indexer as ix
+            from glm5_dsa_plugin.model import indexer as ix
 
             Hi, Di, K = 32, 128, 2048
             q = torch.randn(T, Hi, Di, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -324,7 +324,7 @@ def main():
         n_valid = int((idx >= 0).sum())
         extra[f"{wl}_validate_ms"] = bench(lambda: check_indices(idx[None], T_kv))
         from glm5_dsa_plugin.ops.row_groups import group_keys
-        from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
+        from glm5_dsa_plugin.ops.tilelang.passes import prepare_indices
 
         kidx, _ = prepare_indices(idx[None], T_kv, 2048)
         for R in (8, 4):  # the row groups' key lists (part of every H8 / H16 call)
@@ -443,7 +443,7 @@ def main():
         record_gpu_idle(extra, step16, "W2_H16")
         del q16, grad16
         # the guard's GPU work alone: one finiteness launch per direction (W2 H64 out+lse, dq+dkv)
-        from glm5_dsa_plugin.ops.triton_helpers import flag_nonfinite
+        from glm5_dsa_plugin.ops.guard.device_checks import flag_nonfinite
 
         flags = torch.zeros(2, dtype=torch.int32, device="cuda")
         o_, l_ = sparse_mla(q.detach(), kv.detach(), idx, SCALE, d_v=D_V, backend="tilelang")
@@ -452,7 +452,7 @@ def main():
         from glm5_dsa_plugin.ops import EMPTY_ROW_LSE
         from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, Flag
         from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
-        from glm5_dsa_plugin.ops.triton_helpers import check_forward
+        from glm5_dsa_plugin.ops.guard.device_checks import check_forward
 
         gated = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
         bound = TileLangBackend().finite_out_lse_bound(SCALE, idx.shape[-1])

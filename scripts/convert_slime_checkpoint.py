@@ -6,7 +6,7 @@
 SRC: a torch_dist checkpoint folder (e.g. ``$SAVE/iter_0000100``) or a ``torch.save`` state dict.
 DST: a folder (torch.distributed.checkpoint format) or a ``.pt`` file. The HF config (or card) gives
 the indexer head dim, the RoPE dim and the index-sharing schedule. What changes:
-glm5_dsa_plugin.slime_conversion (and docs/migration.md).
+glm5_dsa_plugin.checkpoints.slime_names (and docs/migration.md).
 """
 
 import argparse
@@ -16,8 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from glm5_dsa_plugin import cards, slime_conversion as sc  # noqa: E402
-from glm5_dsa_plugin.spec_config import read_hf_config  # noqa: E402
+from glm5_dsa_plugin.checkpoints import cards
+from glm5_dsa_plugin.checkpoints import slime_names as sc  # noqa: E402
+from glm5_dsa_plugin.megatron.config_source import read_hf_config  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from glm5_dsa_plugin import jobs  # noqa: E402
+from glm5_dsa_plugin.train import lora, mtp, ppo  # noqa: E402
 
 SMALL = {"hidden_size": 512, "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 256,
          "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "index_n_heads": 32,
@@ -32,7 +32,7 @@ def main():
     ap.add_argument("--summarize-only", action="store_true", help="only rebuild the summary and chart from --out's logs")
     a = ap.parse_args()
     over = sum((["--card-override", f"{k}={json.dumps(v)}"] for k, v in SMALL.items()), [])
-    mains = {"lora": jobs.lora_main, "ppo": jobs.ppo_main, "mtp": jobs.mtp_main}
+    mains = {"lora": lora.main, "ppo": ppo.main, "mtp": mtp.main}
     if not a.summarize_only:
         for seq, job in itertools.product(a.seq_len.split(","), a.jobs.split(",")):
             common = ["--card", "tiny", "--backend", a.backend, "--device", a.device, "--seq-len", seq,

@@ -7,7 +7,7 @@
 
 import sys
 
-from glm5_dsa_plugin import jobs
+from glm5_dsa_plugin.train import lora
 
 if __name__ == "__main__":
-    sys.exit(jobs.lora_main())
+    sys.exit(lora.main())

@@ -6,7 +6,7 @@
 
 import sys
 
-from glm5_dsa_plugin import jobs
+from glm5_dsa_plugin.train import mtp
 
 if __name__ == "__main__":
-    sys.exit(jobs.mtp_main())
+    sys.exit(mtp.main())

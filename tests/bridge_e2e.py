@@ -103,7 +103,7 @@ def main(hf_dir: str, work: str):
     work = Path(work)
     bridge, prov = provider(hf_dir)
     data = batches(prov.vocab_size)
-    from glm5_dsa_plugin.attention import GLM5DSAttention
+    from glm5_dsa_plugin.model.attention import GLM5DSAttention
 
     a = build(bridge, prov)
     n_cores = sum(isinstance(m, GLM5DSAttention) for m in a.modules())
@@ -129,7 +129,7 @@ def main(hf_dir: str, work: str):
     mismatched = [n for n in pa if not torch.equal(pa[n], pc[n])]
 
     # LoRA through Megatron-Bridge PEFT
-    from glm5_dsa_plugin import te_compat
+    from glm5_dsa_plugin.megatron import te_compat
 
     te_compat.install()
     from megatron.bridge.peft.lora import LoRA

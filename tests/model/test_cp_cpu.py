@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from glm5_dsa_plugin import cards
+from glm5_dsa_plugin.checkpoints import cards
 
 WORLD = 4
 # name: (format, layout, real lengths (THD) or (s, b) (bshd), padded lengths or None, index sharing)
@@ -97,7 +97,7 @@ def _run_case(name, cp, rank, device="cpu", variant="reference"):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import build_module
 
-    from glm5_dsa_plugin.spec import dsa_attention_spec
+    from glm5_dsa_plugin.megatron.spec import dsa_attention_spec
 
     fmt, layout, sizes, padded, sharing = CASES[name]
     var = VARIANTS[variant]

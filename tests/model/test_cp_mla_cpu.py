@@ -54,7 +54,7 @@ def _fill(module, seed):
 def _build(cfg, layer, layout, pgc, mla_class=None):
     from megatron.core.transformer.spec_utils import build_module
 
-    from glm5_dsa_plugin.spec import dsa_attention_spec
+    from glm5_dsa_plugin.megatron.spec import dsa_attention_spec
 
     spec = dsa_attention_spec(cfg, cp_layout=layout)
     if mla_class is not None:
@@ -73,7 +73,7 @@ def _zigzag_rope_mla(fmt):
     from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
     from megatron.core.utils import get_pg_rank, get_pg_size
 
-    from glm5_dsa_plugin.contiguous_cp_mla import ContiguousCPAbsorbedMLA
+    from glm5_dsa_plugin.model.contiguous_cp_mla import ContiguousCPAbsorbedMLA
 
     if fmt == "thd":
         return AbsorbedMLASelfAttention
@@ -90,7 +90,7 @@ def _zigzag_rope_mla(fmt):
 def _run_case(name, cp, device="cpu", config=None):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from glm5_dsa_plugin import cards
+    from glm5_dsa_plugin.checkpoints import cards
 
     fmt, sizes, padded = CASES[name]
     card = _card(sharing=True)
@@ -196,8 +196,8 @@ def test_cp1_is_megatron_mla_and_rope_fusion_is_refused(megatron_single_process)
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
 
-    from glm5_dsa_plugin import cards
-    from glm5_dsa_plugin.contiguous_cp_mla import ContiguousCPAbsorbedMLA
+    from glm5_dsa_plugin.checkpoints import cards
+    from glm5_dsa_plugin.model.contiguous_cp_mla import ContiguousCPAbsorbedMLA
 
     card = _card(sharing=False)
     cfg = cards.card_to_transformer_config(card, mtp_num_layers=None)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from glm5_dsa_plugin import cards
+from glm5_dsa_plugin.checkpoints import cards
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -24,8 +24,8 @@ SMALL = dict(hidden_size=256, num_attention_heads=16, num_key_value_heads=16, q_
 def test_tilelang_model_matches_reference_model(megatron_single_process):
     from megatron.core.models.gpt import GPTModel
 
-    from glm5_dsa_plugin import spec
-    from glm5_dsa_plugin.attention import GLM5DSAttention
+    from glm5_dsa_plugin.megatron import spec
+    from glm5_dsa_plugin.model.attention import GLM5DSAttention
 
     card = cards.with_overrides(cards.load_card("tiny"), **SMALL)
     cfg = cards.card_to_transformer_config(card, moe_token_dispatcher_type="allgather", mtp_num_layers=None,
@@ -62,9 +62,9 @@ def test_glm5_indexer_geometry_trains_at_length(megatron_single_process, seq):
     keep loss and gradients finite while the LM loss falls."""
     from megatron.core.models.gpt import GPTModel
 
-    from glm5_dsa_plugin import indexer as ix
-    from glm5_dsa_plugin import spec
-    from glm5_dsa_plugin.attention import GLM5DSAttention
+    from glm5_dsa_plugin.model import indexer as ix
+    from glm5_dsa_plugin.megatron import spec
+    from glm5_dsa_plugin.model.attention import GLM5DSAttention
 
     dims = dict(SMALL, index_n_heads=32, index_head_dim=128, index_topk=2048, num_experts_per_tok=2)
     card = cards.with_overrides(cards.load_card("tiny"), **dims)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glm5_dsa_plugin import indexer as ix
+from glm5_dsa_plugin.model import indexer as ix
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 

@@ -2,12 +2,12 @@
 
 import torch
 
-from glm5_dsa_plugin.attention import GLM5DSAttention
+from glm5_dsa_plugin.model.attention import GLM5DSAttention
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 
 def test_indexer_loss_gives_no_gradient_outside_the_indexer(megatron_single_process, monkeypatch):
-    from test_spec import build, tiny_config
+    from tiny_models import build, tiny_config
 
     monkeypatch.setattr(GLM5DSAttention, "backend", "reference")
     card, cfg = tiny_config(mtp_num_layers=None, dsa_indexer_loss_coeff=10.0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from glm5_dsa_plugin import cards
+from glm5_dsa_plugin.checkpoints import cards
 
 S, B = 24, 2
 
@@ -22,7 +22,7 @@ def _attention(cfg):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import build_module
 
-    from glm5_dsa_plugin.spec import dsa_attention_spec
+    from glm5_dsa_plugin.megatron.spec import dsa_attention_spec
 
     core_spec = dsa_attention_spec(cfg).submodules.core_attention
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from glm5_dsa_plugin.value_projection import value_up_projection
+from glm5_dsa_plugin.model.value_projection import value_up_projection
 
 
 def _check(device, dtype, tol):

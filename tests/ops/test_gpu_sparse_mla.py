@@ -143,7 +143,7 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     from glm5_dsa_plugin.ops.tilelang.fwd import sparse_mla_fwd_kernel
     from glm5_dsa_plugin.ops.tilelang.fwd_ws import sparse_mla_fwd_ws_kernel
     from glm5_dsa_plugin.ops.tilelang.plan import forward_launches
-    from glm5_dsa_plugin.ops.triton_helpers import prepare_indices
+    from glm5_dsa_plugin.ops.tilelang.passes import prepare_indices
 
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     T, T_kv, D, GUARD = 300 if R == 1 else 301, 257, 576, 1 << 16
@@ -376,7 +376,7 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
     lse it sets to NaN, every other lse untouched; in the clean case nothing."""
     from glm5_dsa_plugin.ops.guard import FLAG_SLOTS, Flag
     from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
-    from glm5_dsa_plugin.ops.triton_helpers import check_forward, flag_nonfinite
+    from glm5_dsa_plugin.ops.guard.device_checks import check_forward, flag_nonfinite
 
     _, q, kv, idx, _ = _nonfinite_case(H)
     row, h = 60, H - 1

@@ -210,7 +210,7 @@ def test_doctor_reports_versions_and_backend_choice():
 
 
 def test_doctor_warns_on_known_bad_tilelang(monkeypatch):
-    from glm5_dsa_plugin import doctor
+    from glm5_dsa_plugin.ops import doctor
 
     monkeypatch.setattr(doctor, "versions", lambda: {"tilelang": "0.1.10"})
     lines = []

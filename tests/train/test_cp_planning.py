@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from glm5_dsa_plugin import cards, planning
+from glm5_dsa_plugin.checkpoints import cards
+from glm5_dsa_plugin.train import planner as planning
 
 
 def test_stage_split_with_megatron_first_last_matches_slime():

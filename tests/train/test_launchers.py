@@ -7,12 +7,13 @@ import sys
 import pytest
 import torch
 
-from glm5_dsa_plugin import jobs, launcher
-from glm5_dsa_plugin.attention import GLM5DSAttention
+from glm5_dsa_plugin.train import lora, mtp, ppo
+from glm5_dsa_plugin.train import core as launcher
+from glm5_dsa_plugin.model.attention import GLM5DSAttention
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 COMMON = ["--card", "tiny", "--backend", "reference", "--device", "cpu", "--seq-len", "24", "--batch-size", "2"]
-MAINS = {"lora": jobs.lora_main, "ppo": jobs.ppo_main, "mtp": jobs.mtp_main}
+MAINS = {"lora": lora.main, "ppo": ppo.main, "mtp": mtp.main}
 
 
 def _losses(path):
@@ -35,18 +36,18 @@ def test_job_runs_and_resumes_exactly(job, tmp_path, megatron_single_process):
 
 @pytest.mark.slow
 def test_lora_adapters_save_load_merge(tmp_path, megatron_single_process):
-    assert jobs.lora_main(COMMON + ["--steps", "2", "--save", str(tmp_path / "ck")]) == 0
+    assert lora.main(COMMON + ["--steps", "2", "--save", str(tmp_path / "ck")]) == 0
     adapters = torch.load(tmp_path / "ck" / "adapters.pt")
     assert adapters and all(".adapter." in k for k in adapters)
     assert not any("indexer" in k for k in adapters)  # indexer excluded by default
     targets = {k.split(".self_attention.")[1].split(".adapter")[0] for k in adapters}
-    assert targets == set(jobs.MLA_LORA_TARGETS)
+    assert targets == set(lora.MLA_LORA_TARGETS)
 
     args = launcher.base_parser("t").parse_args(COMMON)
     card = launcher.load_card_from_args(args)
     cfg = launcher.model_config(args, card, mtp_num_layers=None)
     model = launcher.build_model(args, card, cfg)
-    _, model = jobs.apply_lora(model)
+    _, model = lora.apply_lora(model)
     missing, unexpected = model.load_state_dict(adapters, strict=False)
     assert not unexpected
     tok = torch.randint(0, card["vocab_size"], (1, 16))
@@ -54,7 +55,7 @@ def test_lora_adapters_save_load_merge(tmp_path, megatron_single_process):
     model.eval()
     with torch.no_grad():
         with_adapters = model(tok, pos, None)
-        assert jobs.merge_lora(model) == 20
+        assert lora.merge_lora(model) == 20
         merged = model(tok, pos, None)
     torch.testing.assert_close(merged, with_adapters, rtol=1e-5, atol=1e-5)
     # adapters changed the model (so merging had something to merge)
@@ -65,7 +66,7 @@ def test_lora_adapters_save_load_merge(tmp_path, megatron_single_process):
 
 @pytest.mark.slow
 def test_three_launchers_share_attention_and_kernel_entry(monkeypatch, megatron_single_process):
-    import glm5_dsa_plugin.attention as att
+    import glm5_dsa_plugin.model.attention as att
 
     calls = {}
     real = att.sparse_mla
@@ -93,10 +94,10 @@ def test_three_launchers_share_attention_and_kernel_entry(monkeypatch, megatron_
 
 
 def test_ppo_fixture_has_all_padding_rows_with_exact_zero_gradients(megatron_single_process):
-    from glm5_dsa_plugin import indexer as ix
+    from glm5_dsa_plugin.model import indexer as ix
 
     roll = torch.load("tests/fixtures/rollouts_tiny.pt")
-    psp = jobs.packed_params(roll, "cpu")
+    psp = ppo.packed_params(roll, "cpu")
     vis = ix.Visibility.from_cu_seqlens(psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded)
     pad_rows = ~vis.mask().any(-1)
     assert pad_rows.sum() >= 10  # pad tokens: their top-k is all -1
@@ -105,8 +106,8 @@ def test_ppo_fixture_has_all_padding_rows_with_exact_zero_gradients(megatron_sin
     args = launcher.base_parser("t").parse_args(COMMON)
     card = launcher.load_card_from_args(args)
     model = launcher.build_model(args, card, launcher.model_config(args, card, mtp_num_layers=None))
-    logp = jobs.token_logprobs(model, roll, "cpu")
-    loss = jobs.ppo_loss(logp, roll, kl_coef=0.01)
+    logp = ppo.token_logprobs(model, roll, "cpu")
+    loss = ppo.ppo_loss(logp, roll, kl_coef=0.01)
     loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -117,7 +118,7 @@ def test_generated_rollouts_fill_the_sequence_length(max_len):
     """PPO without --rollouts trains at --seq-len: every padded sequence is a multiple of pad_to,
     at most max_len and at least half of it; the loss mask covers exactly the response
     predictions (the last prompt token through the second-to-last response token)."""
-    roll = jobs.make_rollouts({"vocab_size": 100}, n_seqs=3, seed=1, max_len=max_len)
+    roll = ppo.make_rollouts({"vocab_size": 100}, n_seqs=3, seed=1, max_len=max_len)
     cu, lens = roll["cu_seqlens_padded"].tolist(), roll["seq_lens"].tolist()
     assert len(cu) == 4 and cu[0] == 0 and roll["tokens"].numel() == cu[-1]
     for i, n in enumerate(lens):
@@ -129,7 +130,7 @@ def test_generated_rollouts_fill_the_sequence_length(max_len):
         assert max_len // 8 - 1 <= first <= max_len // 4 - 1  # the last prompt token predicts the first response token
         assert mask[first : n - 1].eq(1).all() and mask[:first].eq(0).all() and mask[n - 1 :].eq(0).all()
     with pytest.raises(ValueError, match="max_len=4"):
-        jobs.make_rollouts({"vocab_size": 100}, max_len=4)
+        ppo.make_rollouts({"vocab_size": 100}, max_len=4)
 
 
 @pytest.mark.slow
@@ -147,7 +148,7 @@ def test_dry_run_glm52_reported_layout():
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 8
     firsts = [int(r[1].split("-")[0]) for r in rows]
-    from glm5_dsa_plugin.indexer import computes_indices
+    from glm5_dsa_plugin.model.indexer import computes_indices
 
     assert all(computes_indices(f, 4, 3) for f in firsts) and rows[-1][-1] == "+MTP"
     assert int(rows[-1][1].split("-")[1]) == 78
@@ -162,9 +163,9 @@ def test_dry_run_attention_memory_counts_what_the_backend_keeps():
     when topk is not a multiple of 64."""
     import torch
 
-    from glm5_dsa_plugin import cards
+    from glm5_dsa_plugin.checkpoints import cards
     from glm5_dsa_plugin.ops.row_groups import group_keys_reference
-    from glm5_dsa_plugin.planning import attention_activation_bytes, attention_activation_parts
+    from glm5_dsa_plugin.train.planner import attention_activation_bytes, attention_activation_parts
 
     card = cards.load_card("glm5.2")
     seq, topk = 40, card["index_topk"]

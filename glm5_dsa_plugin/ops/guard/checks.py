@@ -14,7 +14,7 @@ from .slots import Flag
 def flag_nonfinite(flags: torch.Tensor, slot: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
     """flags[slot] becomes nonzero if a (or b) holds NaN/inf; one pass over both."""
     if a.is_cuda:
-        from ..triton_helpers import flag_nonfinite as flag_on_device
+        from .device_checks import flag_nonfinite as flag_on_device
 
         flag_on_device(a, flags, slot, b)
         return
@@ -24,14 +24,14 @@ def flag_nonfinite(flags: torch.Tensor, slot: int, a: torch.Tensor, b: torch.Ten
 
 def check_forward(flags: torch.Tensor, slot: int, out: torch.Tensor, lse: torch.Tensor, gate: int,
                   lse_bound: float, extent: torch.Tensor | None) -> None:
-    """The forward check for a backend with ``finite_out_lse_bound`` (``triton_helpers.check_forward``):
+    """The forward check for a backend with ``finite_out_lse_bound`` (``guard.device_checks.check_forward``):
     lse (contiguous, written in place) of the rows the backend does not vouch for (|lse| >
     ``lse_bound`` other than EMPTY_ROW_LSE; EMPTY_ROW_LSE on a row whose ``extent`` [B, T, G] is
     > 0) becomes NaN, and flags[slot] becomes nonzero when such a row exists, lse is NaN / inf, or
     (read only when flags[gate] is set) out is."""
     hg = lse.shape[-1] // extent.shape[-1] if extent is not None else 1
     if out.is_cuda:
-        from ..triton_helpers import check_forward as check_on_device
+        from .device_checks import check_forward as check_on_device
 
         check_on_device(out, lse, flags, slot, gate, lse_bound, EMPTY_ROW_LSE, extent, hg)
         return

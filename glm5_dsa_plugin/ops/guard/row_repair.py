@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ..contract import EMPTY_ROW_LSE
-from ..triton_helpers import _any_nonfinite, _has_nonfinite
+from .device_checks import _any_nonfinite, _has_nonfinite
 from .slots import Flag
 
 # the guard's flag slots as compile-time constants of the kernels

@@ -10,7 +10,7 @@ the only one it runs; ``safe=False`` exists so a benchmark can measure what this
   * padding slots: the host appends one all-zero *sentinel* row to kv (row T_kv of a
     [B, T_kv + 1, G, Dqk] tensor) and, in the same pass that pads topk, rewrites every slot
     outside [0, T_kv) (-1 padding, and anything index validation would reject) to T_kv
-    (``triton_helpers.prepare_indices``, one launch). The backward and the warp-specialised
+    (``passes.prepare_indices``, one launch). The backward and the warp-specialised
     forward with one row per block also select the sentinel themselves for any index outside
     [0, T_kv) (``tiles.gather_row``, ``tiles.valid_slot`` in int64), so the backend may hand
     them the caller's indices as they are (no rewritten copy is then made); the

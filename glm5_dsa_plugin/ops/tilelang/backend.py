@@ -8,10 +8,10 @@ import functools
 
 import torch
 
-from ..backends import Backend
+from ..backend_base import Backend
 from ..contract import SparseMLAInputError
 from ..row_groups import group_keys
-from ..triton_helpers import finish_backward, prepare_indices
+from .passes import finish_backward, prepare_indices
 from .plan import (BWD_MIN_HEADS, FWD_MIN_HEADS, BlockCountsOfLastCall, RowGroupChoice, forward_launches, pad_heads,
                    pad_topk, padded_heads_per_group, padded_topk, unpad_heads, whole_waves)
 from .shapes import BLOCK_TOPK, check_split, row_group_geometry
@@ -145,7 +145,7 @@ class TileLangBackend(Backend):
         return self._choices.safe
 
     def finite_out_lse_bound(self, sm_scale: float, topk: int) -> float | None:
-        """For the guard's forward check (``triton_helpers.check_forward``): a bound B such that a
+        """For the guard's forward check (``guard.device_checks.check_forward``): a bound B such that a
         row whose lse is finite with |lse| <= B is finite and exact (to the kernels' rounding)
         when ``forward_saving(..., kv_flag=f)`` left ``f`` clear, and so is a row that came out
         empty (lse EMPTY_ROW_LSE) without a valid slot (:meth:`row_extent`). ``f`` is set, in the
@@ -457,7 +457,7 @@ class TileLangBackend(Backend):
         drain stores each valid slot's contribution instead of adding it; it tests dq itself and
         sets ``nonfinite_flag``), others the single-warpgroup one. -> (dq, dkv fp32 with the
         sentinel row, whether dq was tested)."""
-        from ..triton_helpers import segment_sum_rows
+        from ..segment_sum import segment_sum_rows
         from .bwd import sparse_mla_bwd_kernel
         from .bwd_ws import sparse_mla_bwd_ws_kernel
 

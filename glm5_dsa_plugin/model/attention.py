@@ -1,0 +1,299 @@
+"""GLM-5 DSA core attention and indexer modules for megatron-core 0.19.2.
+
+``GLM5DSAttention`` is a drop-in for megatron-core's ``DSAttention`` (same constructor keywords,
+same forward signature, same parameter names) whose indexer is :mod:`glm5_dsa_plugin.model.indexer`
+and whose attention is :func:`glm5_dsa_plugin.ops.sparse_mla`. It never calls a kernel from
+``megatron.core.transformer.experimental_attention_variant.ops``.
+
+Layouts: Megatron hands us sbhd (``[s, b, h, d]``) or packed THD (``[t, h, d]`` / ``[t, 1, h, d]``
+with ``PackedSeqParams``). Internally every batch is flattened to one packed sequence set, so
+bshd is THD with ``cu_seqlens = [0, s, 2s, ...]``; indices are positions in that packed kv.
+
+Context parallel (allgather CP, :mod:`glm5_dsa_plugin.model.cp_layout`): each rank holds ``T / cp``
+rows (megatron-core's zigzag layout, or slime's contiguous one with ``cp_layout="contiguous"``);
+queries stay local, the latent kv and the indexer keys are all-gathered into global packed order,
+so indices are rows of the gathered kv; ``cu_seqlens`` describe the global packed sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_size
+
+from . import cp_layout as cpx
+from . import indexer as ix
+from .dsa_fields import check_dsa_config
+from ..ops import guard_policy, sparse_mla
+from .value_projection import value_up_projection
+
+
+@dataclass
+class GLM5DSAIndexerSubmodules:
+    """Same field names as megatron-core's ``DSAIndexerSubmodules`` (checkpoint compatibility)."""
+
+    linear_wq_b: Union[ModuleSpec, type] = None
+    linear_wk: Union[ModuleSpec, type] = None
+    k_norm: Union[ModuleSpec, type] = None
+    linear_weights_proj: Union[ModuleSpec, type] = None
+
+
+@dataclass
+class GLM5DSAttentionSubmodules:
+    indexer: Union[ModuleSpec, type] = None
+
+
+class GLM5DSAIndexer(MegatronModule):
+    """Lightning indexer: wq_b(qr), LayerNorm(wk(x)), weights_proj(x); RoPE on the first
+    ``qk_pos_emb_head_dim`` channels (HF layout), interleaved or half split as
+    ``dsa_indexer_rope_interleaved`` says (GLM-5.x: interleaved); deterministic top-k."""
+
+    def __init__(self, config: TransformerConfig, submodules: GLM5DSAIndexerSubmodules,
+                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+        super().__init__(config=config)
+        c = self.config
+        self.n_heads, self.head_dim, self.topk = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim, c.dsa_indexer_topk
+        self.rope_dim = c.qk_pos_emb_head_dim
+        self.rope_interleaved = bool(c.dsa_indexer_rope_interleaved)
+        check_dsa_config(c)
+        q_lora_rank = c.q_lora_rank if c.q_lora_rank is not None else c.hidden_size
+        common = dict(config=c, init_method=c.init_method, bias=False, skip_bias_add=False,
+                      skip_weight_param_allocation=False, parallel_mode="duplicated")
+        self.linear_wq_b = build_module(submodules.linear_wq_b, q_lora_rank, self.n_heads * self.head_dim, **common)
+        self.linear_wk = build_module(submodules.linear_wk, c.hidden_size, self.head_dim, **common)
+        eps = c.dsa_indexer_k_norm_epsilon if c.dsa_indexer_k_norm_epsilon is not None else c.layernorm_epsilon
+        self.k_norm = torch.nn.LayerNorm(self.head_dim, eps=eps, dtype=c.params_dtype) if submodules.k_norm is None else build_module(
+            submodules.k_norm, config=_layernorm_config(c), hidden_size=self.head_dim, eps=eps)
+        self.linear_weights_proj = build_module(submodules.linear_weights_proj, c.hidden_size, self.n_heads, **common)
+        # duplicated across TP ranks: average their gradients there (as megatron-core does)
+        for p in self.parameters():
+            setattr(p, "average_gradients_across_tp_domain", True)
+
+    def qkw(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
+        """x [T, hidden], qr [T, q_lora_rank], positions [T] -> q [T, Hi, Di], k [T, Di], w [T, Hi]."""
+        T = x.shape[0]
+        q, _ = self.linear_wq_b(qr)
+        k, _ = self.linear_wk(x)
+        k = self._k_norm(k)
+        w, _ = self.linear_weights_proj(x)
+        cos, sin = ix.rope_cos_sin(positions, self.rope_dim, self.config.rotary_base, dtype=q.dtype)
+        q = ix.apply_rope_first(q.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_interleaved)
+        k = ix.apply_rope_first(k.view(T, 1, self.head_dim), cos, sin, self.rope_interleaved)[:, 0]
+        return q, k, w * self.n_heads**-0.5
+
+    def _k_norm(self, k: torch.Tensor) -> torch.Tensor:
+        """LayerNorm of the indexer key; on fp32 inputs (result cast back) with ``dsa_indexer_k_norm_fp32``."""
+        if not self.config.dsa_indexer_k_norm_fp32:
+            return self.k_norm(k)
+        n = self.k_norm
+        if isinstance(n, torch.nn.LayerNorm):  # its parameters may be bf16: run the whole norm in fp32
+            w = n.weight.float() if n.weight is not None else None
+            b = n.bias.float() if n.bias is not None else None
+            return torch.nn.functional.layer_norm(k.float(), n.normalized_shape, w, b, n.eps).to(k.dtype)
+        return n(k.float()).to(k.dtype)
+
+
+def _layernorm_config(config):
+    import copy
+
+    c = copy.copy(config)
+    c.normalization = "LayerNorm"
+    return c
+
+
+class GLM5DSAttention(MegatronModule):
+    """Sparse attention over the indexer's top-k, through ``glm5_dsa_plugin.ops.sparse_mla``.
+
+    Works under ``AbsorbedMLASelfAttention``: query [s, b, H, kv_lora_rank + rope],
+    key [s, b, 1, kv_lora_rank + rope], value None, ``up_v_weight`` [H, v_head_dim, kv_lora_rank],
+    ``softmax_scale`` = qk_head_dim ** -0.5 (from the caller). Returns [s, b, H * v_head_dim]."""
+
+    consumes_absorbed_v_up_projection = True
+    requires_dsa_inputs = True
+    _HOLDER_ATTR = "_glm5_dsa_index_share_holder"
+    _CP_SHARDS_ATTR = "_glm5_dsa_cp_shards"
+    backend = "auto"  # sparse_mla backend; tests and launchers may set it on the class or instance
+
+    def __init__(self, config: TransformerConfig, submodules: GLM5DSAttentionSubmodules, layer_number: int,
+                 attn_mask_type: AttnMaskType, attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None, cp_comm_type: str = "p2p",
+                 pg_collection: ProcessGroupCollection = None, cp_layout: str = "zigzag"):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.topk_freq = config.dsa_indexer_topk_freq or 1
+        self.skip_offset = config.dsa_indexer_skip_topk_offset or 0
+        check_dsa_config(config)
+        self.computes_indices = ix.computes_indices(layer_number, self.topk_freq, self.skip_offset)
+        self.source_layer = ix.index_source_layer(layer_number, self.topk_freq, self.skip_offset)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.pg_collection = pg_collection
+        self.indexer = build_module(submodules.indexer, config=config, pg_collection=pg_collection) \
+            if self.computes_indices else None
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(k_channels if k_channels is not None else config.kv_channels)
+        self.softmax_scale = softmax_scale
+        self.cp_comm_type = cp_comm_type
+        self.cp_layout = cp_layout  # allgather CP layout: "zigzag" (megatron-core) or "contiguous" (slime)
+        if get_pg_size(getattr(pg_collection, "cp", None)) > 1:
+            cpx.check_layout(cp_layout, cp_comm_type)
+
+    # ---------------------------------------------------------------- helpers
+    def _holder(self, packed_seq_params, attention_mask, attr: str = _HOLDER_ATTR) -> dict:
+        carrier = packed_seq_params if packed_seq_params is not None else (
+            attention_mask if attention_mask is not None else self.config)
+        holder = getattr(carrier, attr, None)
+        if holder is None:
+            holder = {}
+            setattr(carrier, attr, holder)
+        return holder
+
+    @staticmethod
+    def _to_packed(t: torch.Tensor) -> torch.Tensor:
+        """[s, b, ...] -> [b*s, ...] (batch-major)."""
+        return t.transpose(0, 1).reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+    @staticmethod
+    def _hidden_rows(t: torch.Tensor, s: int, b: int) -> torch.Tensor:
+        """x / qr as [b*s, features]; packed THD may hand them over without the batch dim."""
+        if t.dim() == 2:
+            return t
+        return t.transpose(0, 1).reshape(b * s, t.shape[-1])
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, query, key, value, attention_mask, x, qr, position_ids=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params: PackedSeqParams = None, up_v_weight=None):
+        if attention_bias is not None:
+            raise ValueError("GLM5DSAttention does not take an attention_bias")
+        cp_group = getattr(self.pg_collection, "cp", None)
+        cp = get_pg_size(cp_group)
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if packed and query.dim() == 3:
+            query, key = query.unsqueeze(1), key.unsqueeze(1)
+            value = value.unsqueeze(1) if value is not None else None
+        s, b, H, Dq = query.shape
+        tp = get_pg_size(getattr(self.pg_collection, "tp", None))
+        if self.config.sequence_parallel and tp > 1:
+            # sequence parallel: x / qr hold this rank's rows, the query holds all of them
+            if x.shape[0] * tp == s:
+                x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
+            if qr.shape[0] * tp == s:
+                qr = gather_from_sequence_parallel_region(qr, group=self.pg_collection.tp)
+
+        if packed and b != 1:
+            raise ValueError(f"packed THD input must have batch 1, got {b}")
+        # ---- context parallel (allgather CP): queries stay local; kv and indexer keys are gathered
+        # into global packed order below, so indices are rows of the gathered kv
+        shard = None
+        if cp > 1:  # one shard per micro batch, shared by its layers (on the index-sharing holder's carrier)
+            shards = self._holder(packed_seq_params, attention_mask, self._CP_SHARDS_ATTR)
+            shard_key = (id(cp_group), self.cp_layout, s, b, query.device)
+            if shard_key not in shards:
+                shards[shard_key] = cpx.shard(cp_group, self.cp_layout, s * b, batch=b, device=query.device,
+                                        cu_seqlens=packed_seq_params.cu_seqlens_q if packed else None,
+                                        cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded if packed else None)
+            shard = shards[shard_key]
+            vis = shard.vis
+        # ----
+        elif packed:
+            vis = ix.Visibility.from_cu_seqlens(packed_seq_params.cu_seqlens_q, device=query.device,
+                                                cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded)
+            if int(vis.query_seq.shape[0]) != s:
+                raise ValueError(f"cu_seqlens covers {vis.query_seq.shape[0]} tokens, query has {s}")
+        else:
+            vis = ix.Visibility.from_cu_seqlens(torch.arange(b + 1) * s, device=query.device)
+
+        q = self._to_packed(query)  # [b*s, H, Dq]
+        xs, qrs = self._hidden_rows(x, s, b), self._hidden_rows(qr, s, b)
+        absorbed = value is None
+        if absorbed:
+            if up_v_weight is None:
+                raise RuntimeError("absorbed DSA (value=None) needs up_v_weight [H, v_head_dim, kv_lora_rank]")
+            kv = self._to_packed(key)  # [b*s, 1, Dq]
+            d_v = self.config.kv_lora_rank
+            if kv.shape[1] != 1 or Dq != d_v + self.config.qk_pos_emb_head_dim:
+                raise RuntimeError(f"absorbed DSA expects key [s, b, 1, {d_v}+{self.config.qk_pos_emb_head_dim}], "
+                                   f"got {tuple(key.shape)}")
+            q_att, kv_att, backend = q, kv, self.backend
+        else:
+            # un-absorbed MLA (per-head keys and values): kv = [value | key], q = [0 | q], d_v = v dim.
+            # Exact, but only the reference backend supports that split.
+            k = self._to_packed(key)
+            v = self._to_packed(value)
+            d_v = v.shape[-1]
+            q_att = torch.cat([q.new_zeros(*q.shape[:-1], d_v), q], dim=-1)
+            kv_att = torch.cat([v, k], dim=-1)
+            backend = "reference"
+
+        if shard is not None:  # CP: the latent kv of the whole sequence set
+            kv_att = shard.gather(kv_att)
+
+        holder = self._holder(packed_seq_params, attention_mask)
+        deterministic = bool(getattr(self.config, "deterministic_mode", False))
+        index_logits = None
+        if self.indexer is not None:
+            # detached inputs, as in megatron-core: the indexer loss trains the indexer only, never the trunk
+            qi, ki, wi = self.indexer.qkw(xs.detach(), qrs.detach(), vis.query_pos)
+            if shard is not None:  # CP: the indexer keys of the whole sequence set
+                ki = shard.gather(ki)
+            indices = ix.select_topk(qi.detach(), ki.detach(), wi.detach(), self.indexer.topk, vis, check=False)
+            if self.topk_freq > 1:  # only kept when later layers reuse them (index sharing)
+                holder[self.layer_number] = indices
+            coeff = self.config.dsa_indexer_loss_coeff or 0.0
+            if self.training and coeff > 0 and torch.is_grad_enabled():
+                index_logits = ix.selected_scores(qi, ki, wi, indices, deterministic=deterministic)
+        else:
+            if self.source_layer not in holder:
+                raise RuntimeError(
+                    f"DSA layer {self.layer_number} reuses the indices of layer {self.source_layer}, which did not "
+                    f"run in this forward (pipeline stage split on a reusing layer?)")
+            indices = holder[self.source_layer]
+
+        G = kv_att.shape[1]
+        # The indices come from our own top-k. With the guard on, validating them is free (read with
+        # the guard's flag); with GLM5_DSA_NONFINITE=off the attention reads no device flag at all.
+        out, lse = sparse_mla(q_att, kv_att, indices[:, None, :].expand(-1, G, -1).contiguous(),
+                            self.softmax_scale, d_v=d_v, backend=backend, validate=guard_policy() != "off",
+                            deterministic=deterministic)  # [b*s, H, d_v]
+        if index_logits is not None:
+            kv_loss = kv_att[:, 0] if G == 1 else kv_att  # un-absorbed MLA: per-head keys
+            out = self._attach_indexer_loss(out, index_logits, q_att, kv_loss, indices, lse)
+        if absorbed:
+            out = value_up_projection(out, up_v_weight.to(out.dtype))
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, H * v]
+
+    def _attach_indexer_loss(self, out, index_logits, q_att, kv_att, indices, lse):
+        """The sparse KL loss of megatron-core (``sparse_loss=True``), attached to ``out`` for backward.
+        kv_att [T_kv, D] (absorbed) or [T_kv, H, D]; the target reuses the attention's lse [T, H]."""
+        from megatron.core.transformer.experimental_attention_variant.dsa import (
+            DSAIndexerLossAutoScaler,
+            DSAIndexerLossLoggingHelper,
+        )
+
+        tp_group = getattr(self.pg_collection, "tp", None)
+        reduce = None
+        if get_pg_size(tp_group) > 1:  # heads are split over TP: the target sums all of them
+            def reduce(t):
+                torch.distributed.all_reduce(t, group=tp_group)
+                return t
+        loss = ix.indexer_kl_loss(index_logits, q_att.detach(), kv_att.detach(), indices,
+                                  self.softmax_scale, self.config.dsa_indexer_loss_coeff, head_sum_reduce=reduce,
+                                  lse=lse.detach())
+        if torch.cuda.is_available():  # CP: each rank's loss covers its query rows; the log averages them
+            groups = cpx.indexer_loss_tracker_groups(getattr(self.pg_collection, "cp", None),
+                                                     bool(getattr(self.config, "calculate_per_token_loss", False)))
+            DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, self.config.num_layers, **groups)
+        self.last_indexer_loss = loss.detach()
+        return DSAIndexerLossAutoScaler.apply(out, loss)

@@ -1,0 +1,82 @@
+"""Every DSA field of megatron-core 0.19.2's ``TransformerConfig``: honoured, or refused at build time.
+
+``check_dsa_config(config)`` runs when :class:`glm5_dsa_plugin.model.attention.GLM5DSAttention` is
+built. A field set to a value our modules do not implement raises ``ValueError`` naming the
+field, its value and what to set instead; nothing is silently ignored.
+
+| field | here |
+|---|---|
+| ``dsa_indexer_n_heads`` / ``_head_dim`` / ``_topk`` | used |
+| ``dsa_indexer_topk_freq`` / ``_skip_topk_offset`` | used (index sharing) |
+| ``dsa_indexer_loss_coeff`` | used (None = 0: no indexer loss) |
+| ``dsa_indexer_use_sparse_loss`` | True only, when the loss is on (coeff > 0): our KL loss is the sparse one, over the selected slots; megatron-core's default False is its dense loss over every visible key |
+| ``dsa_indexer_rope_interleaved`` | used (both conventions) |
+| ``dsa_indexer_rotate_activation`` | either value: see below |
+| ``dsa_indexer_scoring_relu`` | True only |
+| ``dsa_indexer_k_norm_epsilon`` | used; None = ``layernorm_epsilon``, as in megatron-core |
+| ``dsa_indexer_k_norm_fp32`` | used |
+| ``dsa_kernel_backend`` | "none" only: it picks megatron-core's own fused kernels, which never run here |
+
+``dsa_indexer_rotate_activation`` multiplies the indexer q and k by the same orthonormal
+Hadamard matrix ``Had / sqrt(Di)``; every score is a dot product q . k, which that rotation
+leaves unchanged, so the indexer is the same with and without it. That holds when ``Di`` is a
+power of two (GLM-5: 128); otherwise megatron-core's transform zero-pads to the next power of
+two and truncates, which is not orthonormal, and a True is refused.
+"""
+
+from __future__ import annotations
+
+# megatron-core 0.19.2 TransformerConfig DSA fields (tests compare this list with the dataclass)
+KNOWN_DSA_FIELDS = (
+    "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_topk_freq",
+    "dsa_indexer_skip_topk_offset", "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "dsa_kernel_backend",
+    "dsa_indexer_rope_interleaved", "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu",
+    "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32",
+)
+
+
+def _refuse(field: str, value, why: str, fix: str) -> None:
+    raise ValueError(f"glm5_dsa_plugin: config.{field}={value!r} is not supported: {why}; {fix}")
+
+
+def check_dsa_config(config) -> None:
+    """Raise ``ValueError`` for a DSA field value the GLM-5 DSA modules do not implement."""
+    coeff = getattr(config, "dsa_indexer_loss_coeff", None) or 0.0
+    if coeff < 0:
+        _refuse("dsa_indexer_loss_coeff", coeff, "a negative loss coefficient", "set it to 0 (off) or above")
+    if coeff > 0 and not getattr(config, "dsa_indexer_use_sparse_loss", True):
+        _refuse("dsa_indexer_use_sparse_loss", False,
+                "megatron-core's dense indexer loss (KL over every visible key, needing the full attention "
+                "distribution of each row) is not implemented; the indexer loss here is the sparse one, over the "
+                "top-k selected slots (megatron-core's dsa_indexer_use_sparse_loss=True)",
+                "set dsa_indexer_use_sparse_loss=True (--dsa-indexer-use-sparse-loss), or dsa_indexer_loss_coeff=0")
+    if not getattr(config, "dsa_indexer_scoring_relu", True):
+        _refuse("dsa_indexer_scoring_relu", False, "the indexer scores are relu(q . k) (GLM-5.x, DeepSeek-V3.2)",
+                "set dsa_indexer_scoring_relu=True")
+    backend = getattr(config, "dsa_kernel_backend", "none")
+    if backend not in (None, "none"):
+        _refuse("dsa_kernel_backend", backend,
+                "it selects megatron-core's fused DSA kernels, which GLM5DSAttention never runs (its attention is "
+                "glm5_dsa_plugin.ops.sparse_mla, whose backend is GLM5DSAttention.backend)",
+                "set dsa_kernel_backend='none'")
+    head_dim = getattr(config, "dsa_indexer_head_dim", None)
+    rope_dim = getattr(config, "qk_pos_emb_head_dim", None)
+    if head_dim and rope_dim and head_dim < rope_dim:
+        _refuse("dsa_indexer_head_dim", head_dim,
+                f"the indexer rotates the first qk_pos_emb_head_dim={rope_dim} channels of its q and k heads",
+                f"use an indexer head dim of at least {rope_dim} (GLM-5.x: 128 with 64 RoPE channels)")
+    if getattr(config, "dsa_indexer_rotate_activation", False) and head_dim and head_dim & (head_dim - 1):
+        _refuse("dsa_indexer_rotate_activation", True,
+                f"with dsa_indexer_head_dim={head_dim} (not a power of two) megatron-core's Hadamard transform "
+                f"pads and truncates, which changes the indexer scores, and is not implemented",
+                "set dsa_indexer_rotate_activation=False or use a power-of-two head dim")
+    rope_type = getattr(config, "rope_type", "rope")
+    scaling = getattr(config, "rotary_scaling_factor", 1.0)
+    # YaRN at scaling factor 1 has the plain RoPE frequencies and no attention scaling
+    if rope_type not in (None, "rope") and not (rope_type == "yarn" and scaling == 1.0):
+        _refuse("rope_type", rope_type, f"the DSA indexer implements plain RoPE only (GLM-5.x); "
+                f"rotary_scaling_factor={scaling}", "set rope_type='rope'")
+    percent = getattr(config, "rotary_percent", 1.0)
+    if percent not in (None, 1.0):
+        _refuse("rotary_percent", percent, "the DSA indexer rotates all qk_pos_emb_head_dim channels",
+                "set rotary_percent=1.0")

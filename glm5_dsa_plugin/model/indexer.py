@@ -1,0 +1,433 @@
+"""GLM-5 lightning indexer math: RoPE, scores, deterministic top-k, indexer KL loss, index sharing.
+
+Pure PyTorch, no Megatron. Matches HF transformers >= 5.13 ``GlmMoeDsaIndexer`` (model type
+``glm_moe_dsa``). Internal layout (the HF one, chosen once here): the RoPE part is the *first*
+``rope_dim`` channels of the indexer q/k. Two rotation conventions (``apply_rope_first``):
+interleaved (GLM-5.x: config ``indexer_rope_interleave: true``, megatron-core
+``dsa_indexer_rope_interleaved=True``) rotates the channel pairs (0, 1), (2, 3), ...; half split
+(DeepSeek-V3.2) rotates the pairs (i, i + rope_dim / 2).
+
+Shapes (packed THD; a batch is flattened into one packed sequence with ``cu_seqlens``):
+    q  [T, Hi, Di]   indexer queries after RoPE          (GLM-5: Hi = 32, Di = 128)
+    k  [T_kv, Di]    indexer keys after LayerNorm + RoPE
+    w  [T, Hi]       weights_proj(x) * Hi ** -0.5
+    score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] * Di ** -0.5)   for visible (t, s)
+Visibility: same sequence and key position <= query position (positions within the sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import indexer as indexer_kernels
+from ..ops.contract import PAD_INDEX
+
+_CHUNK_ELEMS = 1 << 25  # fp32 elements of [rows, Hi, T_kv] scratch per chunk
+
+
+# --------------------------------------------------------------------------- RoPE
+def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float, dtype=torch.float32):
+    """positions [T] int -> (cos, sin) [T, rope_dim] in HF's ``cat(freqs, freqs)`` layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions.device) / rope_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+                     ) -> torch.Tensor:
+    """RoPE on the first ``r = cos.shape[-1]`` channels of x [T, ..., D]; cos/sin [T, r] (``rope_cos_sin``).
+
+    ``interleaved=False``: channel i pairs with i + r/2 (half split). ``interleaved=True``: channel
+    2j pairs with 2j + 1, rotated by frequency j; the rotated channels come out de-interleaved
+    (the j-th pair's two outputs at j and j + r/2), as HF and megatron-core lay them out. Every
+    score is a dot product of a rotated q with a rotated k, so that output order is invisible
+    as long as q and k use the same convention."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    if interleaved:
+        x_rot = torch.cat([x_rot[..., 0::2], x_rot[..., 1::2]], dim=-1)
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (r,)
+    c, s = cos.view(shape), sin.view(shape)
+    half = r // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
+
+
+# --------------------------------------------------------------------------- visibility
+@dataclass(frozen=True)
+class Visibility:
+    """Who may see whom, in packed coordinates.
+
+    query_seq/query_pos [T] and key_seq/key_pos [T_kv] (int64): sequence id and position inside
+    the sequence; key s is visible to query t iff same sequence and key_pos[s] <= query_pos[t].
+    Query rows and key rows may be different token sets (context parallel: local queries against
+    the all-gathered keys, both in the natural packed order)."""
+
+    query_seq: torch.Tensor
+    query_pos: torch.Tensor
+    key_seq: torch.Tensor
+    key_pos: torch.Tensor
+    query_index: torch.Tensor | None = None  # packed index of each query row among the keys (default: same rows)
+
+    @property
+    def qidx(self) -> torch.Tensor:
+        if self.query_index is not None:
+            return self.query_index
+        return torch.arange(self.query_seq.shape[0], device=self.query_seq.device)
+
+    @staticmethod
+    def from_cu_seqlens(cu_seqlens: torch.Tensor, device=None, cu_seqlens_padded: torch.Tensor | None = None
+                        ) -> "Visibility":
+        """cu_seqlens [n_seq + 1] (megatron-core PackedSeqParams) -> self-attention visibility.
+
+        With ``cu_seqlens_padded`` the packed layout is the padded one: sequence i occupies
+        [padded[i], padded[i + 1]) and its real tokens are the first cu_seqlens[i+1] - cu_seqlens[i];
+        pad tokens see no key and no query sees them (their top-k rows are all padding)."""
+        dev = device or cu_seqlens.device
+        cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        if (lengths < 0).any():
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
+        if cu_seqlens_padded is None:
+            total = int(cu[-1])
+            seq = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)
+            pos = torch.arange(total, device=dev) - cu[:-1][seq]
+            return Visibility(seq, pos, seq, pos)
+        cp = cu_seqlens_padded.to(device=dev, dtype=torch.int64)
+        plen = cp[1:] - cp[:-1]
+        if cp.shape != cu.shape or (plen < lengths).any():
+            raise ValueError(f"cu_seqlens_padded {cp.tolist()} does not hold cu_seqlens {cu.tolist()}")
+        total = int(cp[-1])
+        seq = torch.repeat_interleave(torch.arange(len(plen), device=dev), plen)
+        pos = torch.arange(total, device=dev) - cp[:-1][seq]
+        real = pos < lengths[seq]
+        q_seq = torch.where(real, seq, torch.full_like(seq, -1))
+        k_seq = torch.where(real, seq, torch.full_like(seq, -2))
+        return Visibility(q_seq, pos, k_seq, pos)
+
+    @staticmethod
+    def causal(T: int, device=None) -> "Visibility":
+        return Visibility.from_cu_seqlens(torch.tensor([0, T]), device=device)
+
+    def rows(self, sel) -> "Visibility":
+        """Visibility of a subset of query rows (index tensor or slice) against the same keys."""
+        return Visibility(self.query_seq[sel], self.query_pos[sel], self.key_seq, self.key_pos, self.qidx[sel])
+
+    def mask(self, rows=slice(None)) -> torch.Tensor:
+        """bool [T_rows, T_kv]."""
+        qs, qp = self.query_seq[rows], self.query_pos[rows]
+        return (qs[:, None] == self.key_seq[None, :]) & (self.key_pos[None, :] <= qp[:, None])
+
+
+# --------------------------------------------------------------------------- scores + top-k
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """q [C, Hi, Di], k [T_kv, Di], w [C, Hi] -> fp32 scores [C, T_kv] (no visibility mask)."""
+    s = torch.einsum("chd,sd->chs", q.float(), k.float()) * (q.shape[-1] ** -0.5)
+    return torch.einsum("chs,ch->cs", torch.relu(s), w.float())
+
+
+def deterministic_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [C, T_kv] fp32 with -inf for invisible keys -> indices [C, topk] int32.
+
+    Highest score first; equal scores in ascending key index (lowest index wins the last places);
+    slots with no visible key are -1 and come last. Exact and independent of the order in
+    which torch.topk happens to return ties: one ``topk`` over :func:`score_keys`."""
+    return topk_from_keys(score_keys(scores), topk)
+
+
+def score_keys(scores: torch.Tensor) -> torch.Tensor:
+    """scores [C, T_kv] fp32 (-inf where invisible) -> int64 keys whose descending order is the
+    top-k order of :func:`deterministic_topk`: the order-preserving integer image of the score in the
+    high 32 bits (``-0.0`` folded into ``+0.0``), ``T_kv - 1 - s`` in the low 32 bits (lower key index
+    wins a tie), and ``INVISIBLE_KEY`` for -inf. Distinct for distinct keys, so one ``topk`` is exact."""
+    n = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    low = (n - 1 - torch.arange(n, device=scores.device, dtype=torch.int64))
+    keys = (ordered.to(torch.int64) << 32) | low
+    return keys.masked_fill(scores == float("-inf"), INVISIBLE_KEY)
+
+
+INVISIBLE_KEY = -(1 << 63)
+
+
+def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
+    """keys [C, T_kv] int64 from :func:`score_keys` -> indices [C, topk] int32, highest first, -1 last."""
+    C, n = keys.shape
+    k_eff = min(topk, n)
+    vals, idx = keys.topk(k_eff, dim=-1, sorted=True)
+    idx = torch.where(vals == INVISIBLE_KEY, torch.full_like(idx, PAD_INDEX), idx).to(torch.int32)
+    if topk > k_eff:
+        idx = torch.nn.functional.pad(idx, (0, topk - k_eff), value=PAD_INDEX)
+    return idx
+
+
+_KEY_CHUNK_BYTES = 1 << 29  # int64 keys of one row block on a GPU (the only O(rows x T_kv) buffer)
+
+
+def topk_row_block(n_keys: int) -> int:
+    """Query rows per block of :func:`select_topk` on a GPU, against ``n_keys`` keys: the block's
+    int64 fused keys (``rows x n_keys x 8`` bytes) stay within 512 MiB."""
+    return max(1, _KEY_CHUNK_BYTES // (8 * max(1, n_keys)))
+
+
+def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vis: Visibility,
+                chunk_rows: int | None = None, check: bool = True) -> torch.Tensor:
+    """Indices [T, topk] int32 in packed kv coordinates, chunked over query rows.
+
+    :func:`deterministic_topk` of the masked scores (highest score first, ties to the lower key
+    index, -1 last), the keys fused into the score kernel on a GPU. Every emitted index is visible to its row (same sequence, not in the
+    future) and < T_kv; -1 fills the slots a row cannot use. ``check`` verifies all of that before
+    returning (three host reads and a sort; a violation is a bug here, raised). The attention module
+    passes ``check=False``: these hold by construction (tested), and ``sparse_mla`` validates the index
+    range right after, so nothing out of range ever reaches a kernel. Memory: one block of rows x T_kv
+    int64 keys at a time (512 MiB on a GPU), nothing of size T x T_kv."""
+    T, Hi, _ = q.shape
+    n = k.shape[0]
+    out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
+    use_triton = q.is_cuda and indexer_kernels.triton_available()
+    if chunk_rows:
+        c = chunk_rows
+    elif use_triton:
+        c = topk_row_block(n)
+    else:
+        c = max(1, _CHUNK_ELEMS // max(1, Hi * n))
+    qidx = vis.qidx
+    with torch.no_grad():
+        for t0 in range(0, T, c):
+            t1 = min(T, t0 + c)
+            keys = None
+            if use_triton:
+                keys = _triton_scores(q[t0:t1], k, w[t0:t1], vis.query_seq[t0:t1], vis.query_pos[t0:t1],
+                                      qidx[t0:t1], vis.key_seq, vis.key_pos)
+            if keys is None:
+                sc = index_scores(q[t0:t1], k, w[t0:t1])
+                keys = score_keys(sc.masked_fill(~vis.mask(slice(t0, t1)), float("-inf")))
+            out[t0:t1] = topk_from_keys(keys, topk)
+            del keys
+    if check:
+        check_topk(out, vis)
+    return out
+
+
+def _triton_scores(q, k, w, qs, qp, qi, ks, kp):
+    """Fused masked top-k keys, or None (after one warning) if the kernel cannot run here."""
+    from ..ops.indexer import masked_scores
+
+    try:
+        return masked_scores.masked_index_scores(q, k, w, qs, qp, qi, ks, kp, keys=True)
+    except Exception as exc:  # noqa: BLE001 - a performance path: fall back to the exact torch path
+        indexer_kernels.disable(exc, stacklevel=4)
+        return None
+
+
+def check_topk(indices: torch.Tensor, vis: Visibility) -> None:
+    """Raise if any index is outside [-1, T_kv), invisible to its row, or repeated in its row."""
+    n = vis.key_seq.shape[0]
+    bad_range = (indices < PAD_INDEX) | (indices >= n)
+    if bool(bad_range.any()):
+        t, j = bad_range.nonzero()[0].tolist()
+        raise RuntimeError(f"indexer produced index {int(indices[t, j])} at row {t}, slot {j}; T_kv = {n}")
+    valid = indices >= 0
+    safe = indices.clamp(min=0).long()
+    seen = (vis.key_seq[safe] == vis.query_seq[:, None]) & (vis.key_pos[safe] <= vis.query_pos[:, None])
+    if bool((valid & ~seen).any()):
+        t, j = (valid & ~seen).nonzero()[0].tolist()
+        raise RuntimeError(f"indexer selected key {int(indices[t, j])} invisible to row {t} (slot {j})")
+    srt = torch.sort(torch.where(valid, indices, torch.full_like(indices, -2 - 0)), dim=-1).values
+    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    if bool(dup.any()):
+        t = int(dup.nonzero()[0, 0])
+        raise RuntimeError(f"indexer selected a key twice in row {t}")
+
+
+def selected_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The PyTorch definition of :func:`selected_scores` (gathers [T, K, Di]; for tests and CPU)."""
+    valid = indices >= 0
+    ks = k[indices.clamp(min=0).long()]  # [T, K, Di]
+    s = torch.einsum("thd,tkd->thk", q.float(), ks.float()) * (q.shape[-1] ** -0.5)
+    sc = torch.einsum("thk,th->tk", torch.relu(s), w.float())
+    return sc.masked_fill(~valid, float("-inf"))
+
+
+class _SelectedScores(torch.autograd.Function):
+    """Triton forward / backward of the selected-slot scores (:mod:`glm5_dsa_plugin.ops.indexer.slot_scores`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, w, indices, deterministic):
+        from ..ops.indexer import slot_scores
+
+        ctx.save_for_backward(q, k, w, indices)
+        ctx.deterministic = deterministic
+        return slot_scores.slot_scores_forward(q, k, w, indices)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ..ops.indexer import slot_scores
+
+        q, k, w, indices = ctx.saved_tensors
+        dq, dk, dw = slot_scores.slot_scores_backward(q, k, w, indices, grad, deterministic=ctx.deterministic)
+        return dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype), None, None
+
+
+def selected_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor,
+                    deterministic: bool = False) -> torch.Tensor:
+    """Differentiable indexer logits at the selected slots: [T, topk] fp32, -inf at padding.
+
+    q [T, Hi, Di], k [T_kv, Di], w [T, Hi], indices [T, topk] int32 (-1 padding). On CUDA the Triton
+    kernels compute it and its gradients without gathering [T, topk, Di]: dk accumulated in fp32
+    atomics, or with ``deterministic`` in a fixed order (bitwise reproducible, a bounded
+    workspace; see :mod:`glm5_dsa_plugin.ops.indexer.slot_scores`). On CPU: the PyTorch definition."""
+    if q.is_cuda and indexer_kernels.triton_available():
+        return _SelectedScores.apply(q, k, w, indices.to(torch.int32).contiguous(), bool(deterministic))
+    return selected_scores_reference(q, k, w, indices)
+
+
+# --------------------------------------------------------------------------- loss
+def attention_target_reference(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                               chunk_rows: int = 1024) -> torch.Tensor:
+    """Head-summed attention probabilities at the selected slots, fp32 [T, K], 0 at padding.
+
+    query [T, H, D], kv [T_kv, D] (or [T_kv, G, D]: head h reads group h // (H // G)):
+    p[t, j] = sum_h softmax_j(sm_scale * query[t, h] . kv[idx[t, j]]).
+    PyTorch definition, in row blocks of ``chunk_rows`` ([chunk, K, G, D] gathered at a time)."""
+    T, K = indices.shape
+    H = query.shape[1]
+    kv = kv if kv.dim() == 3 else kv[:, None]
+    G = kv.shape[1]
+    out = torch.zeros(T, K, dtype=torch.float32, device=query.device)
+    with torch.no_grad():
+        for t0 in range(0, T, chunk_rows):
+            t1 = min(T, t0 + chunk_rows)
+            idx = indices[t0:t1]
+            valid = idx >= 0
+            kv_sel = kv[idx.clamp(min=0).long()].float()  # [c, K, G, D]
+            qg = query[t0:t1].float().view(t1 - t0, G, H // G, -1)
+            att = torch.einsum("tgrd,tkgd->tgrk", qg, kv_sel).reshape(t1 - t0, H, K) * sm_scale
+            att = att.masked_fill(~valid[:, None, :], float("-inf"))
+            has = valid.any(-1)[:, None, None]
+            att = torch.where(has, torch.softmax(torch.where(has, att, torch.zeros_like(att)), dim=-1),
+                              torch.zeros_like(att))
+            out[t0:t1] = att.sum(1)
+    return out
+
+
+def attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                     lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Head-summed attention probabilities at the selected slots, fp32 [T, K] (see
+    :func:`attention_target_reference`). With the attention forward's ``lse`` [T, H] on CUDA a Triton
+    kernel computes each slot's probabilities directly, exp(s - lse), streaming selected kv rows."""
+    if lse is not None and kv.dim() == 2 and query.is_cuda and indexer_kernels.triton_available():
+        from ..ops.indexer.attention_target import head_prob_sum
+
+        return head_prob_sum(query, kv, lse, indices.to(torch.int32).contiguous(), sm_scale)
+    return attention_target_reference(query, kv, indices, sm_scale)
+
+
+class _IndexerKL(torch.autograd.Function):
+    """sum_t KL(target_t || softmax(logits_t)) over valid slots, in row blocks.
+
+    ``target`` (fp32 [T, K], normalised, owned by this function) is overwritten block by block
+    with d(sum)/d(logits) = softmax(logits) * sum(target) - target as the forward goes: the only
+    tensor kept for the backward is that [T, K] gradient (not the logits, target and mask), which
+    the backward scales in place by the incoming gradient. A second backward through the same
+    graph (``retain_graph=True``) is refused, as the kept gradient was scaled by the first."""
+
+    @staticmethod
+    def forward(ctx, logits, target, valid, chunk_rows, eps):
+        keep = ctx.needs_input_grad[0]
+        total = logits.new_zeros(())
+        for t0 in range(0, logits.shape[0], chunk_rows):
+            sl = slice(t0, t0 + chunk_rows)
+            logp = _masked_log_softmax(logits[sl], valid[sl])
+            p = target[sl]
+            total += (p * (torch.log(p.clamp_min(eps)) - logp)).masked_fill(~valid[sl], 0.0).sum()
+            if keep:
+                p.copy_(logp.exp_().masked_fill_(~valid[sl], 0.0).mul_(p.sum(-1, keepdim=True)).sub_(p))
+        if keep:
+            ctx.save_for_backward(target)
+        ctx.scaled = False
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.scaled:
+            raise RuntimeError("indexer KL loss: a second backward through the same graph (retain_graph=True) is "
+                               "not supported; the loss keeps one gradient buffer, scaled in place by the first")
+        ctx.scaled = True
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(g), None, None, None, None
+
+
+def _masked_log_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """log_softmax over valid slots (0 at invalid ones and in rows without a valid slot)."""
+    x = logits.masked_fill(~valid, float("-inf"))
+    m = x.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    lse = torch.log(torch.exp(x - m).sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)) + m
+    return (x - lse).masked_fill(~valid, 0.0)
+
+
+def indexer_kl_loss_from_target(index_logits: torch.Tensor, target: torch.Tensor, indices: torch.Tensor,
+                                coeff: float, eps: float = 1e-10, chunk_rows: int = 4096) -> torch.Tensor:
+    """coeff * mean over query rows of KL(normalise(target) || softmax(index_logits)) on valid slots.
+
+    index_logits [T, K] fp32 (differentiable), target [T, K] head-summed probabilities (already
+    reduced over TP ranks), indices [T, K] (-1 padding). Rows without a valid slot count in the mean
+    with KL 0. Nothing beyond [T, K] tensors is formed; the gradient is computed in row blocks."""
+    valid = indices >= 0
+    with torch.no_grad():
+        tgt = target.float().masked_fill(~valid, 0.0)  # a new buffer: _IndexerKL overwrites it
+        tgt.div_(tgt.sum(-1, keepdim=True).clamp_min(eps))
+    kl = _IndexerKL.apply(index_logits.float(), tgt, valid, chunk_rows, eps)
+    return kl / max(index_logits.shape[0], 1) * coeff
+
+
+def indexer_kl_loss(index_logits: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                    sm_scale: float, coeff: float, eps: float = 1e-10, head_sum_reduce=None,
+                    lse: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(target || indexer) over the selected slots, averaged over query rows, times ``coeff``.
+
+    index_logits [T, K] (indexer scores at the slots, -inf at padding, differentiable);
+    query [T, H, D] and kv [T_kv, D] the attention q / latent kv (not differentiated);
+    target = normalise(sum_h softmax_h(sm_scale * q_h . kv[idx])) over valid slots.
+    Same value as megatron-core 0.19.2 ``compute_dsa_indexer_loss(..., sparse_loss=True)``.
+    ``head_sum_reduce`` (e.g. a TP all-reduce) is applied to the head-summed target when the
+    heads are split over ranks. ``lse`` [T, H]: the attention forward's, for the fused target."""
+    target = attention_target(query.detach(), kv.detach(), indices, sm_scale, lse=lse)
+    if head_sum_reduce is not None:
+        target = head_sum_reduce(target)
+    return indexer_kl_loss_from_target(index_logits, target, indices, coeff, eps=eps)
+
+
+# --------------------------------------------------------------------------- index sharing
+def computes_indices(layer_number: int, topk_freq: int = 1, skip_offset: int = 0) -> bool:
+    """1-indexed layer: True if it runs its indexer, False if it reuses the last computing layer's
+    indices (GLM-5.2: freq 4, offset 3; same rule as HF ``indexer_types`` and megatron-core)."""
+    if layer_number < 1 or topk_freq < 1 or skip_offset < 0:
+        raise ValueError(f"bad index-sharing arguments: layer {layer_number}, freq {topk_freq}, offset {skip_offset}")
+    return max(layer_number - max(skip_offset, 1), 0) % topk_freq == 0
+
+
+def index_source_layer(layer_number: int, topk_freq: int = 1, skip_offset: int = 0) -> int:
+    """The computing layer whose indices ``layer_number`` uses (itself if it computes)."""
+    L = layer_number
+    while not computes_indices(L, topk_freq, skip_offset):
+        L -= 1
+    return L
+
+
+def check_stage_layers(first_layer: int, last_layer: int, topk_freq: int = 1, skip_offset: int = 0) -> None:
+    """A pipeline stage owning 1-indexed layers [first, last] must not start on a reusing layer:
+    its source layer's indices live on another stage."""
+    if not computes_indices(first_layer, topk_freq, skip_offset):
+        src = index_source_layer(first_layer, topk_freq, skip_offset)
+        raise ValueError(
+            f"pipeline stage starting at layer {first_layer} would reuse the DSA indices of layer {src}, "
+            f"which is on an earlier stage (index_topk_freq={topk_freq}, index_skip_topk_offset={skip_offset}); "
+            f"move the stage boundary to a layer that computes indices "
+            f"(e.g. layer {src} or {src + topk_freq})"
+        )

@@ -1,0 +1,84 @@
+"""Triton kernel for the lightning-indexer scores with the visibility mask fused in.
+
+    out[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] * Di ** -0.5)   if s is visible to t, else -inf
+
+q [T, Hi, Di], k [T_kv, Di], w [T, Hi] (bf16 or fp32), fp32 accumulation; out [T, T_kv] fp32, or
+with ``keys=True`` the int64 top-k keys of :func:`glm5_dsa_plugin.model.indexer.score_keys` (the
+order-preserving integer image of the score in the high 32 bits, ``T_kv - 1 - s`` in the low 32).
+Tiles whose keys all lie after every query of the tile in packed order are invisible by
+construction (a visible key is in the query's sequence at a position <= the query's) and are
+written as -inf without computing them: half of the work for causal self-attention.
+Runs under ``TRITON_INTERPRET=1`` on CPU (how CI tests it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+# the key of every invisible (row, key) pair: below the key of any score, -inf included
+INVISIBLE_KEY: tl.constexpr = tl.constexpr(-(1 << 63))
+
+
+@triton.jit
+def _index_scores_kernel(Q, K, W, QSEQ, QPOS, QIDX, KSEQ, KPOS, OUT, T, S, scale,
+                         HI: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                         KEYS: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_t * BT + tl.arange(0, BT)
+    cols = pid_s * BS + tl.arange(0, BS)
+    rmask = rows < T
+    cmask = cols < S
+    omask = rmask[:, None] & cmask[None, :]
+    optr = OUT + rows[:, None].to(tl.int64) * S + cols[None, :]
+    last_query = tl.max(tl.load(QIDX + rows, mask=rmask, other=-1), axis=0)
+    if pid_s * BS > last_query:
+        if KEYS:
+            tl.store(optr, tl.full([BT, BS], INVISIBLE_KEY, tl.int64), mask=omask)
+        else:
+            tl.store(optr, tl.full([BT, BS], float("-inf"), tl.float32), mask=omask)
+    else:
+        d = tl.arange(0, D)
+        k = tl.load(K + cols[:, None].to(tl.int64) * D + d[None, :], mask=cmask[:, None], other=0.0)
+        acc = tl.zeros([BT, BS], dtype=tl.float32)
+        for h in range(HI):
+            q = tl.load(Q + rows[:, None].to(tl.int64) * (HI * D) + h * D + d[None, :], mask=rmask[:, None],
+                        other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            w = tl.load(W + rows * HI + h, mask=rmask, other=0.0).to(tl.float32)
+            acc += tl.maximum(s, 0.0) * w[:, None]
+        qs = tl.load(QSEQ + rows, mask=rmask, other=-1)
+        qp = tl.load(QPOS + rows, mask=rmask, other=-1)
+        ks = tl.load(KSEQ + cols, mask=cmask, other=-2)
+        kp = tl.load(KPOS + cols, mask=cmask, other=0)
+        vis = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
+        if KEYS:
+            # order-preserving int32 image of the score (+0.0 folds -0.0 into +0.0), index tie-break below
+            bits = (acc + 0.0).to(tl.int32, bitcast=True)
+            ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            key = (ordered.to(tl.int64) << 32) | (S - 1 - cols[None, :]).to(tl.int64)
+            tl.store(optr, tl.where(vis, key, INVISIBLE_KEY), mask=omask)
+        else:
+            tl.store(optr, tl.where(vis, acc, float("-inf")), mask=omask)
+
+
+def masked_index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, query_seq, query_pos, query_index,
+                        key_seq, key_pos, block_t: int = 64, block_s: int = 64, keys: bool = False) -> torch.Tensor:
+    """Scores [C, T_kv] fp32 for the query rows given (their seq / pos / packed index), -inf where invisible;
+    with ``keys`` the int64 top-k keys instead (``INVISIBLE_KEY`` where invisible)."""
+    C, Hi, Di = q.shape
+    n = k.shape[0]
+    if Di < 16 or Di & (Di - 1):
+        raise ValueError(f"indexer head dim {Di} must be a power of two >= 16 for the Triton kernel")
+    out = torch.empty(C, n, dtype=torch.int64 if keys else torch.float32, device=q.device)
+    if C == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(C, block_t), triton.cdiv(n, block_s))
+    _index_scores_kernel[grid](q.contiguous(), k.contiguous(), w.contiguous(), query_seq.contiguous(),
+                               query_pos.contiguous(), query_index.contiguous(), key_seq.contiguous(),
+                               key_pos.contiguous(), out, C, n, Di ** -0.5, HI=Hi, D=Di, BT=block_t, BS=block_s,
+                               KEYS=keys)
+    return out

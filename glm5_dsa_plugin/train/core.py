@@ -1,0 +1,305 @@
+"""One launcher core for the LoRA, PPO and MTP jobs in ``scripts/``.
+
+Every job builds its model the same way: ``--spec MODULE FUNCTION`` (default
+``glm5_dsa_plugin.spec get_glm5_dsa_spec``) is imported and called with ``(args, config, vp_stage)``
+exactly as slime / miles do, on a config from a model card (``--card``) or an HF checkpoint
+(``--hf``). The core owns parallel state, data, optimizer, the tqdm progress line (loss,
+grad-norm, tokens/s, guard counters), checkpoint save/resume and ``--dry-run`` planning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..checkpoints import cards
+from ..ops import guard_stats
+
+SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "get_glm5_dsa_spec"]
+SPEC_HELP = ("layer-spec provider, called with (args, config, vp_stage) as slime/miles do "
+             "(default: --spec glm5_dsa_plugin.spec get_glm5_dsa_spec)")
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description + f"\n\nModel built through: --spec {' '.join(SPEC_DEFAULT)}",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", nargs=2, default=SPEC_DEFAULT, metavar=("MODULE", "FUNCTION"), help=SPEC_HELP)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--card", default="tiny", help=f"model card name or path ({', '.join(cards.available_cards())})")
+    src.add_argument("--hf", default=None, help="HF checkpoint folder (config.json + safetensors), loaded lazily")
+    ap.add_argument("--card-override", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a card field, e.g. --card-override num_hidden_layers=4 (JSON values)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "tilelang"], help="sparse-MLA backend")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--clip-grad", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--save", default=None, help="checkpoint folder (written after the last step)")
+    ap.add_argument("--load", default=None, help="checkpoint folder to resume from")
+    ap.add_argument("--log-json", default=None, help="write per-step metrics (JSON lines) here")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="build the card's full model on the meta device for --tp/--pp/--ep/--cp and print the plan")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--micro-batch-seq", type=int, default=4096,
+                    help="dry run: tokens per micro batch (global, before the CP split)")
+    ap.add_argument("--allgather-cp", action="store_true",
+                    help="slime's flag: DSA allgather CP over the contiguous layout (default: megatron-core's zigzag)")
+    ap.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                    help="layers of the first pipeline stage (megatron-core's argument; dry run)")
+    ap.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                    help="layers of the last pipeline stage (megatron-core's argument; dry run)")
+    ap.add_argument("--recipe", default=None,
+                    help="a parallel layout named in the card's _recipes (e.g. glm5.2's slime-rl-64k); "
+                         "flags given on the command line win")
+    return ap
+
+
+def parse_overrides(items: list[str]) -> dict:
+    out = {}
+    for it in items:
+        k, _, v = it.partition("=")
+        if not _:
+            raise SystemExit(f"--card-override expects FIELD=VALUE, got {it!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def load_card_from_args(args) -> dict:
+    if args.hf:
+        from transformers import AutoConfig
+
+        card = cards.hf_config_to_card(AutoConfig.from_pretrained(args.hf), name=str(args.hf))
+    else:
+        card = cards.load_card(args.card)
+    return cards.with_overrides(card, **parse_overrides(args.card_override))
+
+
+def resolve_spec(args) -> Callable:
+    module, name = args.spec
+    return getattr(importlib.import_module(module), name)
+
+
+# --------------------------------------------------------------------------- runtime
+def init_parallel(args) -> None:
+    """Single-process megatron-core parallel state (gloo on CPU, nccl on CUDA)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if args.device == "cpu" and not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"  # megatron-core RotaryEmbedding asks CUDA for a device
+    if not dist.is_initialized():
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if world > 1:  # torchrun
+            dist.init_process_group(backend)
+        else:  # one process: a file rendezvous needs no free port
+            import tempfile
+
+            store = tempfile.NamedTemporaryFile(prefix="glm5_dsa_pg_", delete=False).name
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+        model_parallel_cuda_manual_seed(args.seed)
+
+
+def model_config(args, card: dict, **extra):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
+    te = False
+    if args.device == "cuda":
+        te = importlib.util.find_spec("transformer_engine") is not None
+    kw = dict(moe_token_dispatcher_type="allgather", params_dtype=dtype, bf16=dtype == torch.bfloat16,
+              transformer_impl="transformer_engine" if te else "local", use_cpu_initialization=True)
+    kw.update(extra)
+    return cards.card_to_transformer_config(card, **kw)
+
+
+def build_model(args, card: dict, config, mtp: bool = False):
+    """GPTModel built through the ``--spec`` provider (and its MTP block when ``mtp``)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from ..model.attention import GLM5DSAttention
+    from ..megatron.spec import get_glm5_dsa_mtp_spec
+
+    torch.manual_seed(args.seed)
+    block = resolve_spec(args)(args, config, None)
+    mtp_spec = get_glm5_dsa_mtp_spec(args, config, None) if mtp else None
+    model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=card["vocab_size"],
+                     max_sequence_length=max(args.seq_len, 8) * 2, position_embedding_type="none",
+                     mtp_block_spec=mtp_spec)
+    for m in model.modules():
+        if isinstance(m, GLM5DSAttention):
+            m.backend = args.backend
+    if args.hf:
+        from ..checkpoints.hf_megatron import LazyHFCheckpoint, load_hf_checkpoint
+
+        missing, unexpected = load_hf_checkpoint(model, LazyHFCheckpoint(args.hf), card, include_mtp=mtp)
+        bad = [k for k in missing if not k.endswith("_extra_state")]
+        if bad or unexpected:
+            raise RuntimeError(f"HF checkpoint does not fit the model: missing {bad[:5]}, unexpected {unexpected[:5]}")
+    model.to(args.device)
+    if config.params_dtype == torch.bfloat16:
+        model.to(torch.bfloat16)
+    return model
+
+
+def prepare(args, mtp: bool = False, **config_extra):
+    """Parallel state, card, config and the model built through ``--spec``: -> (card, model)."""
+    init_parallel(args)
+    card = load_card_from_args(args)
+    config = model_config(args, card, **config_extra)
+    return card, build_model(args, card, config, mtp=mtp)
+
+
+def attention_classes(model) -> set[type]:
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
+
+    return {type(m.core_attention) for m in model.modules() if isinstance(m, AbsorbedMLASelfAttention)}
+
+
+# --------------------------------------------------------------------------- training loop
+@dataclass
+class StepResult:
+    """What a job's step function reports; the core adds the grad-norm after clipping."""
+
+    loss: float
+    tokens: int
+
+
+def synthetic_batch(args, card: dict, step: int):
+    """Deterministic LM batch for step ``step`` (same on every run and after resume).
+
+    Tokens follow a fixed random successor map (next = succ[token], with 10% of steps random), so
+    the loss has somewhere to go from log(vocab) within a few dozen steps."""
+    V = card["vocab_size"]
+    succ = torch.randperm(V, generator=torch.Generator().manual_seed(args.seed))
+    g = torch.Generator().manual_seed(args.seed * 1000 + step)
+    B, S = args.batch_size, args.seq_len
+    toks = [torch.randint(0, V, (B,), generator=g)]
+    for _ in range(S):
+        nxt = succ[toks[-1]]
+        jump = torch.rand(B, generator=g) < 0.1
+        toks.append(torch.where(jump, torch.randint(0, V, (B,), generator=g), nxt))
+    seq = torch.stack(toks, dim=1)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def save_checkpoint(path, model, optimizer, step: int, extra: dict | None = None) -> None:
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "extra": extra or {}},
+               p / "checkpoint.pt")
+
+
+def load_checkpoint(path, model, optimizer) -> int:
+    ck = torch.load(Path(path) / "checkpoint.pt", map_location="cpu", weights_only=False)
+    model.load_state_dict(ck["model"], strict=False)
+    optimizer.load_state_dict(ck["optimizer"])
+    torch.set_rng_state(ck["rng"]["torch"])
+    random.setstate(ck["rng"]["python"])
+    return int(ck["step"])
+
+
+def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) -> list[dict]:
+    """Run ``args.steps`` optimizer steps with tqdm; resume from / save to checkpoints."""
+    from tqdm import tqdm
+
+    params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    start = load_checkpoint(args.load, model, opt) if args.load else 0
+    model.train()
+    log = []
+    bar = tqdm(range(start, start + args.steps), desc=type(model).__name__, dynamic_ncols=True)
+    logf = open(args.log_json, "a") if args.log_json else None
+    for step in bar:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        res = step_fn(step)
+        gn = float(torch.nn.utils.clip_grad_norm_(params, args.clip_grad))
+        opt.step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        gs = guard_stats()
+        rec = dict(step=step, loss=res.loss, grad_norm=gn, tokens_per_s=res.tokens / dt,
+                   guard_events=gs["events"], guard_rows_repaired=gs["rows_repaired"])
+        log.append(rec)
+        if logf:
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+        bar.set_postfix(loss=f"{res.loss:.4f}", gnorm=f"{gn:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                        guard=f"{gs['events']}/{gs['rows_repaired']}")
+        if not (math.isfinite(res.loss) and math.isfinite(gn)):
+            raise FloatingPointError(f"step {step}: loss {res.loss}, grad-norm {gn}")
+    if logf:
+        logf.close()
+    if args.save:
+        save_checkpoint(args.save, model, opt, start + args.steps)
+    return log
+
+
+def lm_step(args, model, card) -> Callable[[int], StepResult]:
+    def step(i: int) -> StepResult:
+        tok, labels = synthetic_batch(args, card, i)
+        tok, labels = tok.to(args.device), labels.to(args.device)
+        B, S = tok.shape
+        pos = torch.arange(S, device=args.device)[None].expand(B, S)
+        per_token = model(tok, pos, None, labels=labels)  # [B, S]; MTP loss attached inside when enabled
+        loss = per_token.float().mean()
+        loss.backward()
+        return StepResult(float(loss.detach()), B * S)
+
+    return step
+
+
+# --------------------------------------------------------------------------- entry
+def apply_recipe(args, card: dict):
+    """Fill ``args`` from the card's ``_recipes[args.recipe]`` (argparse names: tp, pp, cp, ep,
+    micro_batch_seq, allgather_cp, decoder_*_pipeline_num_layers) where the command line kept the
+    parser's default."""
+    if not args.recipe:
+        return args
+    recipes = card.get("_recipes", {})
+    if args.recipe not in recipes:
+        raise SystemExit(f"--recipe {args.recipe!r}: the card has {sorted(recipes) or 'no recipes'}")
+    defaults = base_parser("defaults").parse_args([])
+    for key, value in recipes[args.recipe].items():
+        if key == "description":
+            continue
+        if not hasattr(defaults, key):
+            raise SystemExit(f"recipe {args.recipe!r}: unknown field {key!r}")
+        if getattr(args, key) == getattr(defaults, key):
+            setattr(args, key, value)
+    return args
+
+
+def run_dry(args) -> int:
+    from .planner import plan_and_print
+
+    args.device = "cpu"  # meta-device build: single-process gloo state, no GPU
+    init_parallel(args)
+    card = load_card_from_args(args)
+    return plan_and_print(apply_recipe(args, card), card)

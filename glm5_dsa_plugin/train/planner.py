@@ -1,0 +1,297 @@
+"""``--dry-run``: plan a real GLM-5 run (TP/PP/EP/CP) on the meta device, without allocating.
+
+Each distinct layer kind of the card (dense or MoE MLP, computing or reusing DSA indices, the MTP
+layer) is built once through our spec on the ``meta`` device at TP = EP = 1; its parameters are
+then divided per rank by how megatron-core shards them (column/row-parallel weights over TP,
+routed experts over EP, everything else replicated). Pipeline stages are the most balanced split
+whose every stage starts on a layer that computes its own indices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checkpoints import cards
+from ..model import indexer as ix
+
+GIB = 1024**3
+
+
+@dataclass
+class Stage:
+    index: int
+    first: int  # 1-indexed, inclusive
+    last: int
+    layer_kinds: list[str] = field(default_factory=list)
+    params_per_rank: int = 0
+    attn_act_bytes: int = 0
+    has_mtp: bool = False
+
+
+def balanced_split(n_layers: int, pp: int, freq: int, offset: int) -> list[tuple[int, int]]:
+    """Stages (first, last), 1-indexed, minimising the largest stage; every first layer computes indices."""
+    if pp > n_layers:
+        raise ValueError(f"pp={pp} > {n_layers} layers")
+    ok = [computes for computes in (ix.computes_indices(L, freq, offset) for L in range(1, n_layers + 2))]
+    INF = math.inf
+    # best[k][i]: minimal max stage length splitting layers [1, i] into k stages
+    best = [[INF] * (n_layers + 1) for _ in range(pp + 1)]
+    cut = [[-1] * (n_layers + 1) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for k in range(1, pp + 1):
+        for i in range(1, n_layers + 1):
+            for j in range(k - 1, i):  # stage k covers layers j+1 .. i
+                if not ok[j] or best[k - 1][j] is INF:
+                    continue
+                v = max(best[k - 1][j], i - j)
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    if best[pp][n_layers] is INF:
+        raise ValueError(f"no split of {n_layers} layers into {pp} stages starts every stage on a computing layer")
+    out, i = [], n_layers
+    for k in range(pp, 0, -1):
+        j = cut[k][i]
+        out.append((j + 1, i))
+        i = j
+    return out[::-1]
+
+
+def split_with_ends(n_layers: int, pp: int, first: int | None, last: int | None, freq: int, offset: int
+                    ) -> list[tuple[int, int]]:
+    """Stages (first, last), 1-indexed, as megatron-core's ``--decoder-first-pipeline-num-layers`` /
+    ``--decoder-last-pipeline-num-layers`` lay them out (the other stages share the rest evenly);
+    every stage must start on a layer that computes its indices."""
+    first_n, last_n = first or 0, last or 0
+    inner = pp - (first is not None) - (last is not None)
+    rest = n_layers - first_n - last_n
+    if inner < 0 or rest < 0 or (inner == 0 and rest) or (inner and rest % inner):
+        raise ValueError(f"{n_layers} layers do not split into pp={pp} stages with first={first}, last={last} "
+                         f"({rest} layers left for {inner} middle stages)")
+    sizes = ([first_n] if first is not None else []) + [rest // max(inner, 1)] * inner \
+        + ([last_n] if last is not None else [])
+    out, a = [], 1
+    for k in sizes:
+        ix.check_stage_layers(a, a + k - 1, freq, offset)
+        out.append((a, a + k - 1))
+        a += k
+    return out
+
+
+def _per_rank_params(module: torch.nn.Module, tp: int, ep: int) -> int:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    total = 0
+    for name, m in module.named_modules():
+        own = sum(p.numel() for p in m.parameters(recurse=False))
+        if own == 0:
+            continue
+        if ".experts." in f".{name}." and ".shared_experts" not in name:
+            total += own // ep
+        elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            total += own // tp
+        else:
+            total += own
+    return total
+
+
+def _layer_params(config, is_moe: bool, computes: bool, tp: int, ep: int) -> int:
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from ..megatron.spec import layer_submodules
+
+    spec = ModuleSpec(module=TransformerLayer, submodules=layer_submodules(config, is_moe))
+    # layer_number 1 computes; with freq > 1 the first reusing layer is offset + 1
+    freq, off = config.dsa_indexer_topk_freq or 1, config.dsa_indexer_skip_topk_offset or 0
+    number = 1 if computes else next(L for L in range(1, config.num_layers + 1)
+                                      if not ix.computes_indices(L, freq, off))
+    with torch.device("meta"):
+        layer = build_module(spec, config=config, layer_number=number, add_layer_offset=False)
+    return _per_rank_params(layer, tp, ep)
+
+
+def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes: bool) -> dict[str, int]:
+    """Bytes one DSA layer keeps for backward per micro batch, by tensor, as the TileLang backend
+    keeps them (bf16 activations, fp32 lse, int32 indices):
+
+    * ``q`` (absorbed, [S_loc, H, 576]), ``kv`` (the latent kv, all-gathered over CP, with its zero
+      sentinel row), ``out`` and ``lse``;
+    * ``indices``: the caller's top-k, kept by the layer that computes them; layers that reuse them
+      keep the same tensor (0 here), unless topk is not a multiple of 64: then every layer keeps
+      its own padded copy;
+    * ``key_lists``: with fewer than 64 heads per rank, the row groups' lists (an int32 key and a
+      uint8 member byte per padded slot); an upper bound, since ``row_groups="auto"`` drops them
+      for shapes whose rows share no key;
+    * ``indexer``: the indexer's q, k and weights in a layer that computes indices;
+    * ``indexer_loss_grad``: the indexer loss's gradient wrt the selected-slot scores, [S_loc, K]
+      fp32, the one tensor the loss keeps (computed in its forward);
+    * ``value_out``: the value up-projection's output [S_loc, H * v_head_dim] (bf16), which the
+      output projection keeps."""
+    from ..ops.tilelang.backend import TileLangBackend
+    from ..ops.tilelang.plan import padded_topk
+
+    H = card["num_attention_heads"] // tp
+    S_loc = seq // cp
+    dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
+    topk = card["index_topk"]
+    k_pad = padded_topk(topk)
+    parts = dict(q=S_loc * H * dq * 2, kv=(seq + 1) * dq * 2, out=S_loc * H * card["kv_lora_rank"] * 2,
+                 lse=S_loc * H * 4)
+    parts["indices"] = S_loc * topk * 4 * computes + (S_loc * k_pad * 4 if k_pad != topk else 0)
+    _, R = TileLangBackend().rows_per_block(H)
+    parts["key_lists"] = -(-S_loc // R) * R * k_pad * 5 if R > 1 else 0
+    parts["indexer"] = ((S_loc * card["index_n_heads"] * card["index_head_dim"] * 2 + seq * card["index_head_dim"] * 2
+                         + S_loc * card["index_n_heads"] * 4) if computes else 0)
+    parts["indexer_loss_grad"] = S_loc * topk * 4 * computes
+    parts["value_out"] = S_loc * H * card["v_head_dim"] * 2
+    return parts
+
+
+def attention_activation_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool) -> int:
+    """Sum of :func:`attention_activation_parts`."""
+    return sum(attention_activation_parts(card, tp, cp, seq, computes).values())
+
+
+def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: bool,
+                              cp_layout: str = "zigzag") -> dict[str, dict[str, int]]:
+    """Bytes one DSA layer allocates on top of what it keeps (:func:`attention_activation_parts`),
+    per phase, on a GPU rank (bf16 activations, Triton indexer scores). ``seq`` is the global
+    micro-batch length; ``T = seq`` rows are gathered over CP, ``S_loc = seq / cp`` are local.
+
+    * ``gather``: the all-gather's rank-major buffers of kv and indexer keys before their reorder
+      into global order (zigzag layout only; the contiguous layout gathers in global order);
+    * ``topk``: one row block of the indexer's top-k over local query rows against all ``T`` keys
+      (int64 keys, as ``select_topk`` sizes the block, and ``topk``'s int64 values and indices);
+    * ``indexer_loss``: the fused loss's forward: [S_loc, K] fp32 logits and raw target (the
+      normalised target becomes the kept gradient, in :func:`attention_activation_parts`) and
+      one row block of the KL's temporaries; nothing of size [S_loc, K, D];
+    * ``backward``: the incoming gradient of the latent attention output [S_loc, H, kv_lora_rank],
+      the gathered kv's gradient (TileLang's fp32 dKV plus its bf16 result; the zigzag layout's
+      reorder buffer before the reduce-scatter), the guard's fp32 row-repair accumulator over the
+      gathered kv, the indexer keys' gradient (fp32 accumulator and result), the local dq, and
+      what the guard keeps of the previous layer's backward until its flags are settled (its q,
+      incoming gradient and prepared indices; nothing when they exceed ``pending_bytes``)."""
+    H, Di = card["num_attention_heads"] // tp, card["index_head_dim"]
+    S_loc, T, K = seq // cp, seq, card["index_topk"]
+    dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
+    reorder = cp > 1 and cp_layout == "zigzag"
+    gather = dict(kv=T * dq * 2 * reorder, indexer_k=T * Di * 2 * reorder * computes)
+    rows = min(S_loc, ix.topk_row_block(T))
+    topk = dict(keys=rows * T * 8, topk_out=rows * K * 16) if computes else {}
+    loss = dict(logits=S_loc * K * 4, target=S_loc * K * 4, kl_block=min(S_loc, 4096) * K * 4 * 4) if computes else {}
+    backward = dict(d_out=S_loc * H * card["kv_lora_rank"] * 2,
+                    dkv=(T + 1) * dq * (4 + 2) + T * dq * 2 * reorder, repair_acc=(T + 1) * dq * 4,
+                    dq=S_loc * H * dq * 2, indexer_dk=(T * Di * (4 + 2 * (1 + reorder))) * computes,
+                    guard_pending=_guard_pending_bytes(card, H, S_loc, T))
+    return dict(gather=gather, topk=topk, indexer_loss=loss, backward=backward)
+
+
+def _guard_pending_bytes(card: dict, H: int, S_loc: int, T: int) -> int:
+    """What the guard keeps of one backward until its flags are settled (``ops.guard``'s pending
+    queue): q, the incoming gradient, the prepared kv and indices; 0 past ``pending_bytes``."""
+    from ..ops.guard.config import cfg
+    from ..ops.tilelang.plan import padded_topk
+
+    dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
+    kept = (S_loc * H * dq * 2 + S_loc * H * card["kv_lora_rank"] * 2 + (T + 1) * dq * 2
+            + S_loc * padded_topk(card["index_topk"]) * 4 + S_loc * 4)
+    return kept if kept <= cfg.pending_bytes else 0
+
+
+def layer_peak_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool, cp_layout: str = "zigzag",
+                     indexer_loss: bool = True) -> tuple[int, str]:
+    """(peak bytes, phase) of one DSA layer on one rank: what it keeps plus its largest phase
+    (:func:`attention_transient_parts`); ``indexer_loss=False`` leaves the loss phase out."""
+    kept = attention_activation_bytes(card, tp, cp, seq, computes)
+    phases = {k: sum(v.values()) for k, v in attention_transient_parts(card, tp, cp, seq, computes,
+                                                                        cp_layout).items()}
+    if not indexer_loss:
+        phases.pop("indexer_loss")
+    phase = max(phases, key=phases.get)
+    return kept + phases[phase], phase
+
+
+def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int, first_stage_layers: int | None = None,
+         last_stage_layers: int | None = None, cp_layout: str = "zigzag") -> tuple[list[Stage], dict]:
+    n = card["num_hidden_layers"]
+    k = card.get("first_k_dense_replace", 0)
+    freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
+    parts = 2 * cp if cp_layout == "zigzag" and cp > 1 else cp  # zigzag: 2 * cp chunks per sequence
+    if card["num_attention_heads"] % tp or card["n_routed_experts"] % ep or seq % parts:
+        raise ValueError(f"layout does not divide the model: heads {card['num_attention_heads']} / tp {tp}, "
+                         f"experts {card['n_routed_experts']} / ep {ep}, seq {seq} / {parts} CP chunks")
+    config = cards.card_to_transformer_config(card, moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
+                                              transformer_impl="local", mtp_num_layers=None)
+    kinds = {}
+    for is_moe in (False, True):
+        for computes in (True, False):
+            if (not is_moe and k == 0) or (is_moe and k >= n):
+                continue
+            if not computes and freq == 1:
+                continue
+            kinds[(is_moe, computes)] = _layer_params(config, is_moe, computes, tp, ep)
+    V, Hd = card["vocab_size"], card["hidden_size"]
+    embed = V * Hd // tp
+    stages = []
+    if first_stage_layers is None and last_stage_layers is None:
+        split = balanced_split(n, pp, freq, off)
+    else:
+        split = split_with_ends(n, pp, first_stage_layers, last_stage_layers, freq, off)
+    for s, (a, b) in enumerate(split):
+        st = Stage(s, a, b)
+        for L in range(a, b + 1):
+            is_moe, comp = L > k, ix.computes_indices(L, freq, off)
+            st.layer_kinds.append(("moe" if is_moe else "dense") + ("" if comp else "+reuse"))
+            st.params_per_rank += kinds[(is_moe, comp)]
+            st.attn_act_bytes += attention_activation_bytes(card, tp, cp, seq, comp) * (pp - s)  # 1F1B in flight
+        if s == 0:
+            st.params_per_rank += embed
+        if s == pp - 1:
+            st.params_per_rank += embed + Hd  # output layer + final norm
+            if card.get("num_nextn_predict_layers"):
+                st.has_mtp = True
+                st.params_per_rank += kinds[(True, True)] + 2 * Hd * Hd + 3 * Hd  # MTP layer, eh_proj, 3 norms
+        stages.append(st)
+    info = dict(layer_params_per_rank={f"{'moe' if m else 'dense'}{'' if c else '+reuse'}": v
+                                       for (m, c), v in kinds.items()}, embedding_per_rank=embed,
+                layer_peak={c: {loss: layer_peak_bytes(card, tp, cp, seq, c, cp_layout, loss)
+                                for loss in (True, False)} for c in ((True, False) if freq > 1 else (True,))})
+    return stages, info
+
+
+def plan_and_print(args, card: dict) -> int:
+    from ..model.cp_layout import layout_from_args
+
+    layout = layout_from_args(args)
+    stages, info = plan(card, args.tp, args.pp, args.ep, args.cp, args.micro_batch_seq,
+                        getattr(args, "decoder_first_pipeline_num_layers", None),
+                        getattr(args, "decoder_last_pipeline_num_layers", None), layout)
+    name = card.get("_card", {}).get("name", "card")
+    freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
+    cp_desc = f" ({layout} allgather CP)" if args.cp > 1 else ""
+    print(f"dry run: {name}  TP{args.tp} PP{args.pp} EP{args.ep} CP{args.cp}{cp_desc}  micro batch "
+          f"{args.micro_batch_seq} tokens (global)  (index_topk_freq={freq}, index_skip_topk_offset={off}); "
+          f"built on the meta device, nothing allocated")
+    print(f"per-rank parameters of one layer: {info['layer_params_per_rank']}")
+    for computes, by_loss in info["layer_peak"].items():
+        (with_loss, phase), (without, phase2) = by_loss[True], by_loss[False]
+        kind = "computes" if computes else "reuses"
+        print(f"one DSA layer ({kind} indices), per rank, {args.micro_batch_seq // args.cp} local "
+              f"of {args.micro_batch_seq} tokens: peak {with_loss / GIB:.2f} GiB ({phase}); "
+              f"without the indexer-loss phase {without / GIB:.2f} GiB ({phase2})")
+    print(f"{'stage':>5} {'layers':>9} {'dense':>5} {'moe':>4} {'params/rank':>14} {'attn act GiB':>12}  indices")
+    total = 0
+    for st in stages:
+        comp = [L for L in range(st.first, st.last + 1) if ix.computes_indices(L, freq, off)]
+        reuse = [f"{L}<-{ix.index_source_layer(L, freq, off)}" for L in range(st.first, st.last + 1)
+                 if not ix.computes_indices(L, freq, off)]
+        n_dense = sum(x.startswith("dense") for x in st.layer_kinds)
+        total += st.params_per_rank
+        print(f"{st.index:>5} {st.first:>4}-{st.last:<4} {n_dense:>5} {len(st.layer_kinds) - n_dense:>4} "
+              f"{st.params_per_rank / 1e9:>12.3f} B {st.attn_act_bytes / GIB:>12.2f}  compute {comp}"
+              + (f" reuse {reuse}" if reuse else "") + (" +MTP" if st.has_mtp else ""))
+    print(f"sum over one rank per stage: {total / 1e9:.2f} B parameters")
+    return 0
