@@ -16,7 +16,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -186,6 +186,7 @@ class StepResult:
 
     loss: float
     tokens: int
+    metrics: dict = field(default_factory=dict)  # extra scalars for the progress line and --log-json
 
 
 def synthetic_batch(args, card: dict, step: int):
@@ -245,13 +246,14 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
         dt = time.perf_counter() - t0
         gs = guard_stats()
         rec = dict(step=step, loss=res.loss, grad_norm=gn, tokens_per_s=res.tokens / dt,
-                   guard_events=gs["events"], guard_rows_repaired=gs["rows_repaired"])
+                   guard_events=gs["events"], guard_rows_repaired=gs["rows_repaired"], **res.metrics)
         log.append(rec)
         if logf:
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
         bar.set_postfix(loss=f"{res.loss:.4f}", gnorm=f"{gn:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                        guard=f"{gs['events']}/{gs['rows_repaired']}")
+                        guard=f"{gs['events']}/{gs['rows_repaired']}",
+                        **{k: f"{v:.4g}" for k, v in res.metrics.items()})
         if not (math.isfinite(res.loss) and math.isfinite(gn)):
             raise FloatingPointError(f"step {step}: loss {res.loss}, grad-norm {gn}")
     if logf:
