@@ -1,7 +1,9 @@
 """HF <-> Megatron weight conversion for GLM-5 DSA (pure functions; no Megatron-Bridge needed).
 
 Megatron names are those of a GPTModel built with :mod:`glm5_dsa_plugin.spec` (local path;
-the TE path fuses a dense layer's pre-MLP norm into ``linear_fc1`` and is mapped by Megatron-Bridge).
+the TE path fuses a dense layer's pre-MLP norm into ``linear_fc1`` and is mapped by Megatron-Bridge),
+or with ``model="hybrid"`` those of a HybridModel built with ``glm5_dsa_hybrid_stack_spec``
+(:mod:`glm5_dsa_plugin.checkpoints.hybrid_names`).
 HF names are the on-disk checkpoint names (per-expert keys), as ``save_pretrained`` writes them
 and as the published GLM-5 shards hold them. The MTP layer ``i`` is HF decoder layer
 ``num_hidden_layers + i``. Block-FP8 checkpoints (the published ``GLM-5.x-FP8``) are read as bf16:
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from . import block_fp8
+from .hybrid_names import gpt_to_hybrid_name
 from ..model.indexer import computes_indices
 
 # (megatron suffix, hf suffix) inside one decoder layer, 1:1 copies
@@ -155,8 +158,10 @@ def _layer_pairs(meg_prefix: str, hf_prefix: str, card: dict, is_moe: bool, has_
             yield "copy", f"{meg_prefix}mlp.experts.local_experts.{e}.linear_fc2.weight", [ep + "down_proj.weight"]
 
 
-def name_plan(card: dict, include_mtp: bool = True) -> list[tuple[str, str, list[str]]]:
-    """Every (kind, megatron name, hf names) of a card's model."""
+def name_plan(card: dict, include_mtp: bool = True, model: str = "gpt") -> list[tuple[str, str, list[str]]]:
+    """Every (kind, megatron name, hf names) of a card's model; ``model``: ``"gpt"`` or ``"hybrid"`` names."""
+    if model not in ("gpt", "hybrid"):
+        raise ValueError(f"model must be 'gpt' or 'hybrid', got {model!r}")
     n, k = card["num_hidden_layers"], card.get("first_k_dense_replace", 0)
     plan = [("copy", m, [h]) for m, h in _GLOBAL]
     freq, offset = card.get("index_topk_freq", 1) or 1, card.get("index_skip_topk_offset", 0) or 0
@@ -168,6 +173,8 @@ def name_plan(card: dict, include_mtp: bool = True) -> list[tuple[str, str, list
             hp, mp = f"model.layers.{n + j}.", f"mtp.layers.{j}."
             plan += [("copy", mp + m, [hp + h]) for m, h in _MTP_1TO1]
             plan += list(_layer_pairs(mp + "mtp_model_layer.", hp, card, is_moe=True))
+    if model == "hybrid":
+        plan = [(kind, gpt_to_hybrid_name(m), hs) for kind, m, hs in plan]
     return plan
 
 
@@ -193,15 +200,15 @@ def _hf_get(hf: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
     return gate if which == "gate_proj" else up
 
 
-def iter_hf_to_megatron(hf: Mapping[str, torch.Tensor], card: dict, include_mtp: bool | None = None
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_to_megatron(hf: Mapping[str, torch.Tensor], card: dict, include_mtp: bool | None = None,
+                        model: str = "gpt") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Megatron name, tensor) one at a time, keeping no reference to what it yielded: with a
     :class:`LazyHFCheckpoint` the memory in flight is one converted tensor (and its HF sources).
     The MTP aliases (``shared_head.head`` / ``embed_tokens``) are checked against their targets last."""
     n = card["num_hidden_layers"]
     if include_mtp is None:
         include_mtp = f"model.layers.{n}.eh_proj.weight" in hf
-    for kind, m, hs in name_plan(card, include_mtp):
+    for kind, m, hs in name_plan(card, include_mtp, model):
         ts = [_hf_get(hf, h) for h in hs]
         missing = [h for h, t in zip(hs, ts) if t is None]
         if missing:
@@ -219,21 +226,26 @@ def iter_hf_to_megatron(hf: Mapping[str, torch.Tensor], card: dict, include_mtp:
                                      f"layer, so this checkpoint cannot be represented exactly")
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], card: dict, include_mtp: bool | None = None) -> dict:
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], card: dict, include_mtp: bool | None = None,
+                   model: str = "gpt") -> dict:
     """HF state (a dict, an in-memory ``state_dict()`` or :class:`LazyHFCheckpoint`) -> Megatron state dict
     (the whole converted model in memory; :func:`load_hf_checkpoint` streams into a model instead)."""
-    return dict(iter_hf_to_megatron(hf, card, include_mtp))
+    return dict(iter_hf_to_megatron(hf, card, include_mtp, model))
 
 
 def load_hf_checkpoint(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], card: dict,
                        include_mtp: bool | None = None) -> tuple[list[str], list[str]]:
     """Copy an HF checkpoint into ``model``'s parameters / buffers tensor by tensor (cast to each
     destination's dtype; shapes must match exactly). Returns (missing, unexpected) Megatron names, as
-    ``load_state_dict(strict=False)`` does; peak extra memory is one converted tensor."""
+    ``load_state_dict(strict=False)`` does; peak extra memory is one converted tensor. A HybridModel
+    gets the hybrid names."""
     dest = model.state_dict(keep_vars=True)
     seen, unexpected = set(), []
     with torch.no_grad():
-        for name, t in iter_hf_to_megatron(hf, card, include_mtp):
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        names = "hybrid" if isinstance(model, HybridModel) else "gpt"
+        for name, t in iter_hf_to_megatron(hf, card, include_mtp, names):
             if name not in dest:
                 unexpected.append(name)
                 continue
@@ -245,13 +257,14 @@ def load_hf_checkpoint(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], c
     return [k for k in dest if k not in seen], unexpected
 
 
-def megatron_to_hf(meg: Mapping[str, torch.Tensor], card: dict, include_mtp: bool | None = None) -> dict:
+def megatron_to_hf(meg: Mapping[str, torch.Tensor], card: dict, include_mtp: bool | None = None,
+                   model: str = "gpt") -> dict:
     """Megatron state dict -> HF checkpoint names (per-expert keys; MTP shared_head/embed written as copies)."""
     n = card["num_hidden_layers"]
     if include_mtp is None:
         include_mtp = "mtp.layers.0.eh_proj.weight" in meg
     out = {}
-    for kind, m, hs in name_plan(card, include_mtp):
+    for kind, m, hs in name_plan(card, include_mtp, model):
         if m not in meg:
             raise KeyError(f"Megatron state lacks {m}")
         t = meg[m]
