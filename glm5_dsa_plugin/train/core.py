@@ -34,6 +34,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description + f"\n\nModel built through: --spec {' '.join(SPEC_DEFAULT)}",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", nargs=2, default=SPEC_DEFAULT, metavar=("MODULE", "FUNCTION"), help=SPEC_HELP)
+    ap.add_argument("--model", default="gpt", choices=["gpt", "hybrid"],
+                    help="megatron-core model class: gpt (GPTModel) or hybrid (HybridModel, pattern from the card)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--card", default="tiny", help=f"model card name or path ({', '.join(cards.available_cards())})")
     src.add_argument("--hf", default=None, help="HF checkpoint folder (config.json + safetensors), loaded lazily")
@@ -137,18 +139,24 @@ def model_config(args, card: dict, **extra):
 
 
 def build_model(args, card: dict, config, mtp: bool = False):
-    """GPTModel built through the ``--spec`` provider (and its MTP block when ``mtp``)."""
+    """GPTModel built through the ``--spec`` provider (and its MTP block when ``mtp``); with
+    ``--model hybrid`` a HybridModel (:mod:`glm5_dsa_plugin.train.hybrid_model`)."""
     from megatron.core.models.gpt import GPTModel
 
     from ..model.attention import GLM5DSAttention
     from ..megatron.spec import get_glm5_dsa_mtp_spec
 
     torch.manual_seed(args.seed)
-    block = resolve_spec(args)(args, config, None)
-    mtp_spec = get_glm5_dsa_mtp_spec(args, config, None) if mtp else None
-    model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=card["vocab_size"],
-                     max_sequence_length=max(args.seq_len, 8) * 2, position_embedding_type="none",
-                     mtp_block_spec=mtp_spec)
+    if getattr(args, "model", "gpt") == "hybrid":
+        from .hybrid_model import build_hybrid_model
+
+        model = build_hybrid_model(args, card, config, max(args.seq_len, 8) * 2)
+    else:
+        block = resolve_spec(args)(args, config, None)
+        mtp_spec = get_glm5_dsa_mtp_spec(args, config, None) if mtp else None
+        model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=card["vocab_size"],
+                         max_sequence_length=max(args.seq_len, 8) * 2, position_embedding_type="none",
+                         mtp_block_spec=mtp_spec)
     for m in model.modules():
         if isinstance(m, GLM5DSAttention):
             m.backend = args.backend
@@ -169,7 +177,14 @@ def prepare(args, mtp: bool = False, **config_extra):
     """Parallel state, card, config and the model built through ``--spec``: -> (card, model)."""
     init_parallel(args)
     card = load_card_from_args(args)
-    config = model_config(args, card, **config_extra)
+    if getattr(args, "model", "gpt") == "hybrid":
+        from .hybrid_model import hybrid_config_fields
+
+        pattern, fields = hybrid_config_fields(card, config_extra)
+        config = model_config(args, card, **{**config_extra, **fields})
+        config.hybrid_layer_pattern = pattern
+    else:
+        config = model_config(args, card, **config_extra)
     return card, build_model(args, card, config, mtp=mtp)
 
 

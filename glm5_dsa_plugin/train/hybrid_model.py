@@ -1,0 +1,37 @@
+"""The launchers' ``--model hybrid``: megatron-core's HybridModel through ``glm5_dsa_hybrid_stack_spec``.
+
+The card's GLM-5.x pattern (:func:`glm5_dsa_plugin.checkpoints.hybrid_pattern.glm5_hybrid_layer_pattern`:
+``D-`` x dense, ``DE`` x MoE, ``/DE`` per MTP layer the job builds) fixes the config: ``num_layers`` =
+two per GLM layer, ``moe_layer_freq=1`` (the ``E`` symbols place the MoE layers); same weights give
+the same logits as ``--model gpt`` (tests/megatron/test_hybrid_spec.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ..checkpoints import cards
+from ..checkpoints.hybrid_pattern import glm5_hybrid_layer_pattern
+
+GPT_SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "get_glm5_dsa_spec"]
+HYBRID_SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "glm5_dsa_hybrid_stack_spec"]
+
+
+def hybrid_config_fields(card: dict, config_extra: dict) -> tuple[str, dict]:
+    """-> (pattern, config fields) for a job whose config overrides are ``config_extra`` (its
+    ``mtp_num_layers``, else the card's ``num_nextn_predict_layers``, sets the ``/`` depths)."""
+    depths = config_extra.get("mtp_num_layers", card.get("num_nextn_predict_layers")) or 0
+    pattern = glm5_hybrid_layer_pattern(cards.with_overrides(card, num_nextn_predict_layers=depths))
+    return pattern, dict(num_layers=2 * card["num_hidden_layers"], moe_layer_freq=1, is_hybrid_model=True)
+
+
+def build_hybrid_model(args, card: dict, config, max_sequence_length: int):
+    """HybridModel of ``config.hybrid_layer_pattern``; ``--spec MODULE NAME`` names the stack spec
+    object (the GPT default is read as ours: ``glm5_dsa_plugin.spec glm5_dsa_hybrid_stack_spec``)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    module, name = HYBRID_SPEC_DEFAULT if list(args.spec) == GPT_SPEC_DEFAULT else args.spec
+    stack_spec = getattr(importlib.import_module(module), name)
+    return HybridModel(config=config, hybrid_stack_spec=stack_spec, vocab_size=card["vocab_size"],
+                       max_sequence_length=max_sequence_length, hybrid_layer_pattern=config.hybrid_layer_pattern,
+                       position_embedding_type="none")

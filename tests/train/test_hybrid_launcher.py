@@ -1,0 +1,37 @@
+"""The launchers' ``--model hybrid`` (HybridModel through glm5_dsa_hybrid_stack_spec) against
+``--model gpt`` on the same HF checkpoint (CPU, tiny GLM-5.2-shaped card with index sharing and MTP,
+reference backend): the same losses step by step."""
+
+import json
+
+import pytest
+import torch
+
+from glm5_dsa_plugin.checkpoints import cards
+from glm5_dsa_plugin.checkpoints import hf_megatron as conversion
+from glm5_dsa_plugin.train import lora, mtp
+from megatron_cpu import megatron_single_process  # noqa: F401
+from tiny_models import tiny_hf, with_mtp
+
+
+def _tiny_checkpoint(folder):
+    card, hf = tiny_hf(index_topk_freq=2, index_skip_topk_offset=1)
+    conversion.save_hf_safetensors(with_mtp(card, {k: v.detach() for k, v in hf.state_dict().items()}), folder)
+    cards.card_to_hf_config(card).save_pretrained(folder)
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+@pytest.mark.parametrize("job", ["mtp", "lora"])
+def test_hybrid_job_matches_gpt_job_on_the_same_checkpoint(job, tmp_path, megatron_single_process):
+    _tiny_checkpoint(tmp_path / "hf")
+    main = {"mtp": mtp.main, "lora": lora.main}[job]
+    common = ["--hf", str(tmp_path / "hf"), "--backend", "reference", "--device", "cpu", "--seq-len", "24",
+              "--batch-size", "2", "--steps", "2"]
+    for model in ("gpt", "hybrid"):
+        assert main(common + ["--model", model, "--log-json", str(tmp_path / f"{model}.jsonl")]) == 0
+    gpt, hybrid = _losses(tmp_path / "gpt.jsonl"), _losses(tmp_path / "hybrid.jsonl")
+    assert len(gpt) == 2 and all(torch.isfinite(torch.tensor(gpt)))
+    assert hybrid == pytest.approx(gpt, rel=1e-5, abs=1e-6)
