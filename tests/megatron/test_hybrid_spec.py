@@ -169,15 +169,10 @@ def test_stack_needs_the_pattern(megatron_single_process):
 
 
 def _upstream_hybrid_flags(mtp: bool):
-    from client_flags import apex_grad_accum_fusion_available, upstream_tiny_glm52_args
+    from client_flags import apex_grad_accum_fusion_available
+    from upstream_pretrain_hybrid import upstream_tiny_glm52_hybrid_args
 
-    flags = upstream_tiny_glm52_args(seq_length=64, mtp=False)
-    flags[flags.index("get_glm5_dsa_spec")] = "glm5_dsa_hybrid_stack_spec"
-    i = flags.index("--num-layers")
-    del flags[i:i + 2]
-    i = flags.index("--moe-layer-freq")
-    del flags[i:i + 2]
-    flags += ["--hybrid-layer-pattern", "D-DEDEDE" + ("/DE" if mtp else "")]
+    flags = upstream_tiny_glm52_hybrid_args(seq_length=64, mtp=mtp)
     flags[flags.index("alltoall")] = "allgather"  # built on CPU: a dispatcher without CUDA streams
     flags += ["--use-cpu-initialization", "--no-rope-fusion"]
     if not apex_grad_accum_fusion_available():
