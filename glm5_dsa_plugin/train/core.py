@@ -319,4 +319,8 @@ def run_dry(args) -> int:
     args.device = "cpu"  # meta-device build: single-process gloo state, no GPU
     init_parallel(args)
     card = load_card_from_args(args)
-    return plan_and_print(apply_recipe(args, card), card)
+    args = apply_recipe(args, card)
+    from .hybrid_model import describe_pattern
+
+    print(describe_pattern(args, card))
+    return plan_and_print(args, card)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 from ..checkpoints import cards
-from ..checkpoints.hybrid_pattern import glm5_hybrid_layer_pattern
+from ..checkpoints.hybrid_pattern import check_index_sharing, glm5_hybrid_layer_pattern
 
 GPT_SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "get_glm5_dsa_spec"]
 HYBRID_SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "glm5_dsa_hybrid_stack_spec"]
@@ -35,3 +35,31 @@ def build_hybrid_model(args, card: dict, config, max_sequence_length: int):
     return HybridModel(config=config, hybrid_stack_spec=stack_spec, vocab_size=card["vocab_size"],
                        max_sequence_length=max_sequence_length, hybrid_layer_pattern=config.hybrid_layer_pattern,
                        position_embedding_type="none")
+
+
+def pipeline_stage_layers(card: dict, pp: int, first: int | None = None, last: int | None = None) -> list[int] | None:
+    """GLM layers per pipeline stage as megatron-core splits them (``first`` / ``last`` stage sizes
+    when given, the rest evenly); None for one stage or a split that does not divide evenly."""
+    n = card["num_hidden_layers"]
+    if pp <= 1:
+        return None
+    head, tail = [first] if first else [], [last] if last else []
+    middle, rest = pp - len(head) - len(tail), n - sum(head) - sum(tail)
+    if middle < 0 or (middle == 0 and rest) or (middle and (rest <= 0 or rest % middle)):
+        return None
+    return head + [rest // middle] * middle + tail if middle else head + tail
+
+
+def describe_pattern(args, card: dict) -> str:
+    """The dry run's line: the card's hybrid layer pattern with this layout's pipeline cuts, and
+    whether those cuts keep index sharing on one stage."""
+    stages = pipeline_stage_layers(card, getattr(args, "pp", 1), getattr(args, "decoder_first_pipeline_num_layers", None),
+                                   getattr(args, "decoder_last_pipeline_num_layers", None))
+    pattern = glm5_hybrid_layer_pattern(card, stage_layers=stages)
+    try:
+        check_index_sharing(pattern, card.get("index_topk_freq") or 1, card.get("index_skip_topk_offset") or 0)
+        verdict = "index sharing stays on each stage"
+    except ValueError as exc:
+        verdict = f"refused: {exc}"
+    shown = pattern if len(pattern) <= 120 else f"{pattern[:56]}...{pattern[-56:]}"
+    return f"hybrid layer pattern (--model hybrid): {shown} ({len(pattern)} chars; {verdict})"

@@ -29,6 +29,7 @@ def test_upstream_hybrid_pretrain_loop_trains_through_our_spec(tmp_path, seq, mt
                          text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
     losses = json.loads(losses.read_text())
+    print(f"seq {seq} mtp {mtp}: losses {[round(x, 3) for x in losses]}")
     assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert first > 7.0  # ln(4096) = 8.3 at initialisation

@@ -35,3 +35,20 @@ def test_hybrid_job_matches_gpt_job_on_the_same_checkpoint(job, tmp_path, megatr
     gpt, hybrid = _losses(tmp_path / "gpt.jsonl"), _losses(tmp_path / "hybrid.jsonl")
     assert len(gpt) == 2 and all(torch.isfinite(torch.tensor(gpt)))
     assert hybrid == pytest.approx(gpt, rel=1e-5, abs=1e-6)
+
+
+def test_dry_run_pattern_follows_the_recipe_stages():
+    from glm5_dsa_plugin.checkpoints.hybrid_pattern import glm5_hybrid_layer_pattern, split_pattern
+    from glm5_dsa_plugin.train import core
+    from glm5_dsa_plugin.train.hybrid_model import describe_pattern, pipeline_stage_layers
+
+    card = cards.load_card("glm5.2")
+    # the recipe's own description: "stages 14 + 6 x 8 + 16 layers"
+    assert pipeline_stage_layers(card, 8, 14, 16) == [14] + [8] * 6 + [16]
+    args = core.apply_recipe(core.base_parser("t").parse_args(["--card", "glm5.2", "--recipe", "slime-rl-64k"]), card)
+    line = describe_pattern(args, card)
+    assert "index sharing stays on each stage" in line
+    args = core.base_parser("t").parse_args(["--card", "glm5.2", "--pp", "2"])  # a cut before GLM layer 40
+    assert "refused" in describe_pattern(args, card) and "DSA layer 40" in describe_pattern(args, card)
+    segments, _ = split_pattern(glm5_hybrid_layer_pattern(card, stage_layers=pipeline_stage_layers(card, 8, 14, 16)))
+    assert [len(s) for s in segments] == [28] + [16] * 6 + [32]
