@@ -20,7 +20,7 @@ import upstream_pretrain as gpt_driver
 def upstream_tiny_glm52_hybrid_args(seq_length: int = 4096, mtp: bool = False, train_iters: int = 20) -> list[str]:
     """:func:`client_flags.upstream_tiny_glm52_args` for ``pretrain_hybrid.py``: ``--spec`` names
     ``glm5_dsa_hybrid_stack_spec`` and ``--hybrid-layer-pattern 'D-DEDEDE'`` (+ ``/DE`` with MTP)
-    replaces ``--num-layers`` / ``--moe-layer-freq`` / ``--mtp-num-layers``."""
+    replaces ``--num-layers`` / ``--moe-layer-freq`` / ``--mtp-num-layers``; ``--no-rope-fusion``."""
     from client_flags import upstream_tiny_glm52_args
 
     flags = upstream_tiny_glm52_args(seq_length=seq_length, mtp=False, train_iters=train_iters)
@@ -28,7 +28,9 @@ def upstream_tiny_glm52_hybrid_args(seq_length: int = 4096, mtp: bool = False, t
     for name in ("--num-layers", "--moe-layer-freq"):
         i = flags.index(name)
         del flags[i:i + 2]
-    return flags + ["--hybrid-layer-pattern", "D-DEDEDE" + ("/DE" if mtp else "")]
+    # a pattern with D makes megatron-training set experimental_attention_variant='dsa', whose config
+    # refuses RoPE fusion (on by default)
+    return flags + ["--hybrid-layer-pattern", "D-DEDEDE" + ("/DE" if mtp else ""), "--no-rope-fusion"]
 
 
 def main():

@@ -61,5 +61,8 @@ def describe_pattern(args, card: dict) -> str:
         verdict = "index sharing stays on each stage"
     except ValueError as exc:
         verdict = f"refused: {exc}"
+    if stages is None and getattr(args, "pp", 1) > 1:
+        verdict = (f"no '|' placed: {card['num_hidden_layers']} layers do not split evenly over {args.pp} stages; "
+                   f"give --decoder-first/last-pipeline-num-layers")
     shown = pattern if len(pattern) <= 120 else f"{pattern[:56]}...{pattern[-56:]}"
     return f"hybrid layer pattern (--model hybrid): {shown} ({len(pattern)} chars; {verdict})"

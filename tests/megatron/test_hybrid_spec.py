@@ -174,7 +174,7 @@ def _upstream_hybrid_flags(mtp: bool):
 
     flags = upstream_tiny_glm52_hybrid_args(seq_length=64, mtp=mtp)
     flags[flags.index("alltoall")] = "allgather"  # built on CPU: a dispatcher without CUDA streams
-    flags += ["--use-cpu-initialization", "--no-rope-fusion"]
+    flags += ["--use-cpu-initialization"]
     if not apex_grad_accum_fusion_available():
         flags.append("--no-gradient-accumulation-fusion")
     return flags
