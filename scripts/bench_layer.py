@@ -16,18 +16,19 @@ rows of an existing ``--out`` that this run does not measure (each row carries i
 so a TE run can join a local one; rows of one (layer, T) are always measured in the same run.
 
 Per (layer, T, impl): fwd and fwd+bwd ms (median of CUDA-event timings), peak GiB allocated during
-fwd+bwd (weights and their grads included), model TFLOP/s over fwd+bwd, and for ours a breakdown
-(each part timed alone at the layer's shapes; ``projections_mlp`` is the layer minus the parts).
+fwd+bwd (weights and their grads included), model TFLOP/s over fwd+bwd and its MFU against the card's
+bf16 peak. Every row carries ``floor``: each part's model FLOPs, minimum HBM bytes and floor ms (the
+larger of FLOPs at ``--floor-tflops`` and bytes at the card's HBM bandwidth). With ``--breakdown``
+ours' rows also carry ``breakdown``: each part timed alone at the layer's shapes (fwd + bwd where it
+has one; ``projections_mlp`` is the layer minus the other parts), printed beside its floor.
 An out-of-memory or other failure is a row with ``error`` set. Before timing, ours is checked against
 megatron-core's layer with the same indices (both built as index-reusing layers and handed the same
 top-k): output and every gradient.
 
-Model FLOPs (fwd + bwd = 3 x fwd for every matmul with a gradient): linears 2 * T * params; sparse
-attention 2 * T * topk * H * (576 + 512); indexer scoring (forward only, causal half) T^2 * Hi * Di;
-indexer loss 3 * 2 * T * topk * Hi * Di + 2 * T * topk * H * 576; MoE counts the routed experts a
-token visits plus the shared expert.
+Model FLOPs: :mod:`glm5_dsa_plugin.model.flops` (causal selected and visible pairs; every matmul with
+a gradient 3 x its forward; MoE counts the routed experts a token visits plus the shared expert).
 
-    python scripts/bench_layer.py                        # H200: JSON + chart under benchmarks/results/
+    python scripts/bench_layer.py --breakdown            # H200: JSON + chart under benchmarks/results/
     python scripts/bench_layer.py --tiny --device cpu    # a CPU smoke run of the whole script
 """
 
@@ -97,25 +98,64 @@ def build_layer(cfg, layer: str, impl: str, layer_number: int = 1):
     return build_module(ModuleSpec(module=TransformerLayer, submodules=subs), config=cfg, layer_number=layer_number)
 
 
+def layer_parts(dims, layer: str, T: int) -> dict:
+    """Model FLOPs (fwd + bwd) of one layer over one causal sequence of T tokens, by part."""
+    from glm5_dsa_plugin.model import flops
+
+    return flops.layer_flops(flops.DSAShape(**dims), [T], moe=layer == "moe")
+
+
 def model_flops(dims, layer: str, T: int) -> float:
+    return layer_parts(dims, layer, T)["total"]
+
+
+# the breakdown's parts: model-FLOPs parts of :mod:`glm5_dsa_plugin.model.flops` each covers
+PART_FLOPS = {"indexer": ("indexer_projections",), "topk": ("indexer_scores",), "sparse_mla": ("sparse_mla",),
+              "indexer_loss": ("indexer_loss",), "projections_mlp": ("projections", "mlp", "moe")}
+
+
+def part_bytes(dims, layer: str, T: int) -> dict:
+    """Minimum HBM bytes of each part's fwd + bwd: every input read once and every output written
+    once per pass, no intermediate of size T x topk or T x T (bf16 activations, int32 indices)."""
     d = dims
-    h, H = d["hidden_size"], d["num_attention_heads"]
-    qk = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
-    lin = (h * d["q_lora_rank"] + d["q_lora_rank"] * H * qk + h * (d["kv_lora_rank"] + d["qk_rope_head_dim"])
-           + d["kv_lora_rank"] * H * (d["qk_nope_head_dim"] + d["v_head_dim"]) + H * d["v_head_dim"] * h
-           + d["q_lora_rank"] * d["index_n_heads"] * d["index_head_dim"] + h * d["index_head_dim"]
-           + h * d["index_n_heads"])
-    if layer == "dense":
-        lin += 3 * h * d["intermediate_size"]
+    h, H, Hi, Di = d["hidden_size"], d["num_attention_heads"], d["index_n_heads"], d["index_head_dim"]
+    dqk, dv, K = d["kv_lora_rank"] + d["qk_rope_head_dim"], d["kv_lora_rank"], min(d["index_topk"], T)
+    idx_act = T * (Hi * Di + Di + Hi)  # indexer q, k, w
+    if layer == "moe":  # every expert's weights are read, whichever tokens it gets
+        ffn = 3 * h * d["moe_intermediate_size"] * (d["n_routed_experts"] + d["n_shared_experts"]) + h * d["n_routed_experts"]
     else:
-        lin += 3 * h * d["moe_intermediate_size"] * (d["num_experts_per_tok"] + d["n_shared_experts"])
-        lin += h * d["n_routed_experts"]
-    K = min(d["index_topk"], T)
-    dqk, dv = d["kv_lora_rank"] + d["qk_rope_head_dim"], d["kv_lora_rank"]
-    attn = 2 * T * K * H * (dqk + dv)
-    idx_score = T * T * d["index_n_heads"] * d["index_head_dim"]
-    idx_loss = 3 * 2 * T * K * d["index_n_heads"] * d["index_head_dim"] + 2 * T * K * H * dqk
-    return 3 * (2 * T * lin + attn) + idx_score + idx_loss
+        ffn = 3 * h * d["intermediate_size"]
+    fl1 = layer_parts(dims, layer, 1)
+    params = fl1["projections"] / 6 + ffn  # the linears' weights: read in fwd and bwd, gradient written
+    return {  # bf16 = 2 bytes; int32 indices and fp32 lse = 4 bytes
+        # x and q_lora read in fwd and bwd, their gradients written; q, k, w written, their gradients read
+        "indexer": 2 * (3 * T * (h + d["q_lora_rank"]) + 2 * idx_act),
+        # q, k, w read; the indices written
+        "topk": 2 * idx_act + 4 * T * K,
+        # q and kv read twice, their gradients written; o written, o and do read; indices read twice; lse out and in
+        "sparse_mla": 2 * (3 * T * H * dqk + 3 * T * dqk + 3 * T * H * dv) + 2 * 4 * T * K + 2 * 4 * T * H,
+        # indexer q, k, w read twice, gradients written; attention q, kv and lse read once; indices read 3 times
+        "indexer_loss": 2 * (3 * idx_act + T * H * dqk + T * dqk) + 4 * (3 * T * K + T * H),
+        # the linears' weights read in fwd and bwd, their gradients written; the layer's input, output and gradients
+        "projections_mlp": 2 * 3 * params + 2 * 4 * T * h,
+    }
+
+
+def floors(dims, layer: str, T: int, floor_tflops: float, hbm_bytes_per_s: float | None) -> dict:
+    """{part: {gflop, gbyte, floor_ms}}: the larger of FLOPs at ``floor_tflops`` and bytes at the HBM
+    bandwidth (FLOPs only when the bandwidth is unknown), and ``total``."""
+    fl = layer_parts(dims, layer, T)
+    by = part_bytes(dims, layer, T)
+    out = {}
+    for part, names in PART_FLOPS.items():
+        f = sum(fl[n] for n in names)
+        ms = f / (floor_tflops * 1e12) * 1e3
+        if hbm_bytes_per_s:
+            ms = max(ms, by[part] / hbm_bytes_per_s * 1e3)
+        out[part] = dict(gflop=f / 1e9, gbyte=by[part] / 1e9, floor_ms=ms)
+    out["total"] = dict(gflop=sum(v["gflop"] for v in out.values()), gbyte=sum(v["gbyte"] for v in out.values()),
+                        floor_ms=sum(v["floor_ms"] for v in out.values()))
+    return out
 
 
 def timed(fn, warmup: int, rep: int, device: str) -> float:
@@ -249,8 +289,8 @@ def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
 
 
 def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
-    row = dict(layer=layer, T=T, impl=impl, fwd_ms=None, fwd_bwd_ms=None, peak_gib=None, tflops=None,
-               breakdown=None, error=None, date=None)
+    row = dict(layer=layer, T=T, impl=impl, fwd_ms=None, fwd_bwd_ms=None, peak_gib=None, tflops=None, mfu=None,
+               breakdown=None, floor=None, error=None, date=None)
     lay = None
     try:
         cfg = make_config(dims, layer, impl, device)
@@ -271,7 +311,6 @@ def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["fwd_ms"] = timed(fwd, warmup, rep, device)
         row["fwd_bwd_ms"] = timed(fwd_bwd, warmup, rep, device)
-        row["tflops"] = model_flops(dims, layer, T) / (row["fwd_bwd_ms"] * 1e-3) / 1e12
         if breakdown and impl.startswith("ours"):
             parts = breakdown_ours(lay, x, dims, device, warmup, rep)
             parts["projections_mlp"] = max(0.0, row["fwd_bwd_ms"] - sum(parts.values()))
@@ -285,6 +324,36 @@ def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
     return row
+
+
+def add_derived(row: dict, dims, gpu: str, floor_tflops: float) -> dict:
+    """Model TFLOP/s, MFU and the per-part floors of a row, from its shape and its fwd+bwd time
+    (also for rows merged from an earlier run)."""
+    from glm5_dsa_plugin.model import flops
+
+    peaks = flops.device_peaks(gpu)
+    row["floor"] = floors(dims, row["layer"], row["T"], floor_tflops, peaks[1] if peaks else None)
+    row["floor"]["floor_tflops"] = floor_tflops
+    if row.get("fwd_bwd_ms"):
+        f = model_flops(dims, row["layer"], row["T"])
+        row["tflops"] = f / (row["fwd_bwd_ms"] * 1e-3) / 1e12
+        row["mfu"] = flops.mfu(f, row["fwd_bwd_ms"] * 1e-3, gpu)
+    return row
+
+
+def breakdown_table(result: dict) -> str:
+    """ours' parts: measured ms beside the floor ms (and their ratio), per (layer, T)."""
+    lines = [f"{'layer':6} {'T':>6} {'part':16} {'ms':>9} {'floor ms':>9} {'x floor':>8} {'GFLOP':>10} {'GB':>8}"]
+    for r in result["rows"]:
+        if r["impl"] != "ours" or not r.get("breakdown") or not r.get("floor"):
+            continue
+        for part in list(PART_FLOPS) + ["total"]:
+            ms = r["fwd_bwd_ms"] if part == "total" else r["breakdown"].get(part)
+            fl = r["floor"][part]
+            ratio = "-" if ms is None or not fl["floor_ms"] else f"{ms / fl['floor_ms']:.2f}"
+            lines.append(f"{r['layer']:6} {r['T']:>6} {part:16} {'-' if ms is None else f'{ms:.2f}':>9} "
+                         f"{fl['floor_ms']:>9.2f} {ratio:>8} {fl['gflop']:>10.1f} {fl['gbyte']:>8.2f}")
+    return "\n".join(lines)
 
 
 IMPLS = ("ours", "mcore_sparse", "mcore_dense", "ours_te", "mcore_te")
@@ -304,7 +373,10 @@ def chart(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    parted = [r for r in result["rows"] if r["impl"] == "ours" and r.get("breakdown") and r.get("floor")]
+    fig, axes = plt.subplots(1, 3 if parted else 2, figsize=(17 if parted else 11, 4))
+    if parted:
+        breakdown_chart(axes[2], parted, result["gpu"])
     for ax, layer in zip(axes, ("dense", "moe")):
         rows = [r for r in result["rows"] if r["layer"] == layer]
         Ts = sorted({r["T"] for r in rows})
@@ -328,6 +400,27 @@ def chart(result: dict, path: str) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def breakdown_chart(ax, rows: list[dict], gpu: str) -> None:
+    """ours' parts as a share of each row's floor total: measured (left bar) beside the floor (right bar)."""
+    parts = list(PART_FLOPS)
+    colors = dict(zip(parts, ("tab:purple", "tab:red", "tab:blue", "tab:orange", "tab:gray")))
+    labels = []
+    for j, r in enumerate(rows):
+        base = r["floor"]["total"]["floor_ms"]
+        for off, key in ((-0.2, "ms"), (0.2, "floor")):
+            bottom = 0.0
+            for p in parts:
+                v = (r["breakdown"].get(p) or 0.0) if key == "ms" else r["floor"][p]["floor_ms"]
+                ax.bar(j + off, v / base, 0.38, bottom=bottom, color=colors[p], alpha=1.0 if key == "ms" else 0.45,
+                       label=p if j == 0 and key == "ms" else None)
+                bottom += v / base
+        labels.append(f"{r['layer']} {r['T'] // 1024}K\n{r['fwd_bwd_ms'] / base:.2f}x floor")
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("ms / floor ms (left: measured, right: floor)")
+    ax.set_title(f"ours by part against its floor, {gpu}")
+    ax.legend(fontsize=7)
 
 
 def markdown_table(result: dict) -> str:
@@ -390,8 +483,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_layer.json"))
     ap.add_argument("--chart", default=None, help="PNG path (default: beside --out)")
     ap.add_argument("--chart-only", action="store_true", help="redraw the chart of an existing --out JSON")
-    ap.add_argument("--table", action="store_true", help="print the markdown table of an existing --out JSON")
+    ap.add_argument("--table", action="store_true",
+                    help="print the markdown table (and the breakdown against the floors) of an existing --out JSON")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining rows after this many seconds")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time ours' parts alone and print them beside their floors (JSON: breakdown per row)")
+    ap.add_argument("--floor-tflops", type=float, default=600.0,
+                    help="matmul rate of the FLOP floors (default 600: a sustained bf16 GEMM on Hopper at 700 W)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows (and checks) of an existing --out that this run does not measure")
     a = ap.parse_args(argv)
@@ -400,7 +498,7 @@ def main(argv=None) -> int:
         with open(a.out) as f:
             result = json.load(f)
         if a.table:
-            print(markdown_table(result))
+            print(markdown_table(result) + "\n\n" + breakdown_table(result))
         else:
             chart(result, png)
         return 0
@@ -439,6 +537,8 @@ def main(argv=None) -> int:
     def save():
         result["rows"] = merge_rows(old["rows"], new_rows) if old else list(new_rows)
         result["checks"] = (merge_rows(old["checks"], new_checks, key=("layer",)) if old else list(new_checks))
+        for r in result["rows"]:
+            add_derived(r, dims, result["gpu"], a.floor_tflops)
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
@@ -457,11 +557,11 @@ def main(argv=None) -> int:
             for impl in a.impls.split(","):
                 if a.budget_s and time.time() - t_start > a.budget_s:
                     row = dict(layer=layer, T=T, impl=impl, fwd_ms=None, fwd_bwd_ms=None, peak_gib=None,
-                               tflops=None, breakdown=None, error="not run: time budget spent")
+                               tflops=None, mfu=None, breakdown=None, floor=None, error="not run: time budget spent")
                 else:
-                    row = run_one(dims, layer, T, impl, a.device, a.warmup, a.rep, breakdown=True)
+                    row = run_one(dims, layer, T, impl, a.device, a.warmup, a.rep, breakdown=a.breakdown)
                 row["date"] = now
-                new_rows.append(row)
+                new_rows.append(add_derived(row, dims, result["gpu"], a.floor_tflops))
                 print(json.dumps(row), flush=True)
                 save()
     save()
@@ -469,6 +569,8 @@ def main(argv=None) -> int:
         chart(result, png)
     except ImportError as exc:
         print("no chart:", exc)
+    if a.breakdown:
+        print("\n" + breakdown_table(result))
     print(f"\n{'layer':6} {'T':>6} {'impl':13} {'fwd ms':>9} {'f+b ms':>9} {'peak GiB':>9} {'TF/s':>6}  error")
     for r in result["rows"]:
         f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
