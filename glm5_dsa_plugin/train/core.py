@@ -202,6 +202,7 @@ class StepResult:
     loss: float
     tokens: int
     metrics: dict = field(default_factory=dict)  # extra scalars for the progress line and --log-json
+    seq_lens: list[int] | None = None  # packed sequence lengths trained on: model FLOPs and MFU when given
 
 
 def synthetic_batch(args, card: dict, step: int):
@@ -250,6 +251,7 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
     log = []
     bar = tqdm(range(start, start + args.steps), desc=type(model).__name__, dynamic_ncols=True)
     logf = open(args.log_json, "a") if args.log_json else None
+    shape = _flops_shape(model, card) if args.device == "cuda" else None
     for step in bar:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -262,12 +264,16 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
         gs = guard_stats()
         rec = dict(step=step, loss=res.loss, grad_norm=gn, tokens_per_s=res.tokens / dt,
                    guard_events=gs["events"], guard_rows_repaired=gs["rows_repaired"], **res.metrics)
+        mfu = _step_mfu(args, model, shape, res, dt)
+        if mfu is not None:
+            rec["mfu"] = mfu
         log.append(rec)
         if logf:
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
         bar.set_postfix(loss=f"{res.loss:.4f}", gnorm=f"{gn:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                         guard=f"{gs['events']}/{gs['rows_repaired']}",
+                        **({"mfu": f"{rec['mfu']:.1%}"} if "mfu" in rec else {}),
                         **{k: f"{v:.4g}" for k, v in res.metrics.items()})
         if not (math.isfinite(res.loss) and math.isfinite(gn)):
             raise FloatingPointError(f"step {step}: loss {res.loss}, grad-norm {gn}")
@@ -276,6 +282,23 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
     if args.save:
         save_checkpoint(args.save, model, opt, start + args.steps)
     return log
+
+
+def _flops_shape(model, card: dict):
+    """The model's DSA widths for its model FLOPs (:mod:`glm5_dsa_plugin.model.flops`)."""
+    from ..model.flops import DSAShape
+
+    return DSAShape.from_config(model.config, vocab_size=card["vocab_size"])
+
+
+def _step_mfu(args, model, shape, res: StepResult, seconds: float) -> float | None:
+    """Model FLOPs utilisation of one step on a known GPU, when the step reported its sequences."""
+    if res.seq_lens is None or shape is None:
+        return None
+    from ..model.flops import mfu, model_flops
+
+    return mfu(model_flops(shape, res.seq_lens, mtp=getattr(model, "mtp_process", False)), seconds,
+               torch.cuda.get_device_name())
 
 
 def lm_step(args, model, card) -> Callable[[int], StepResult]:
@@ -287,7 +310,7 @@ def lm_step(args, model, card) -> Callable[[int], StepResult]:
         per_token = model(tok, pos, None, labels=labels)  # [B, S]; MTP loss attached inside when enabled
         loss = per_token.float().mean()
         loss.backward()
-        return StepResult(float(loss.detach()), B * S)
+        return StepResult(float(loss.detach()), B * S, seq_lens=[S] * B)
 
     return step
 
