@@ -6,7 +6,7 @@
 
 import sys
 
-from glm5_dsa_plugin.train import mtp
+from glm5_dsa_plugin.train import cli, mtp
 
 if __name__ == "__main__":
-    sys.exit(mtp.main())
+    sys.exit(cli.launch(mtp.main))

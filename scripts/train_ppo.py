@@ -6,7 +6,7 @@
 
 import sys
 
-from glm5_dsa_plugin.train import ppo
+from glm5_dsa_plugin.train import cli, ppo
 
 if __name__ == "__main__":
-    sys.exit(ppo.main())
+    sys.exit(cli.launch(ppo.main))

@@ -24,20 +24,23 @@ import torch
 
 from ..checkpoints import cards
 from ..ops import guard_stats
+from .cli import LauncherInputError, check_inputs
 
 SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "get_glm5_dsa_spec"]
 SPEC_HELP = ("layer-spec provider, called with (args, config, vp_stage) as slime/miles do "
              "(default: --spec glm5_dsa_plugin.spec get_glm5_dsa_spec)")
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
+def base_parser(description: str, job: str | None = None) -> argparse.ArgumentParser:
+    """The launchers' shared flags; ``job`` labels the progress bar (LoRA / PPO / MTP)."""
     ap = argparse.ArgumentParser(description=description + f"\n\nModel built through: --spec {' '.join(SPEC_DEFAULT)}",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", nargs=2, default=SPEC_DEFAULT, metavar=("MODULE", "FUNCTION"), help=SPEC_HELP)
     ap.add_argument("--model", default="gpt", choices=["gpt", "hybrid"],
                     help="megatron-core model class: gpt (GPTModel) or hybrid (HybridModel, pattern from the card)")
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--card", default="tiny", help=f"model card name or path ({', '.join(cards.available_cards())})")
+    src.add_argument("--card", default="tiny", help="model card: glm5, glm5.1, glm5.2, tiny, or a card .json path "
+                                                     f"(file stems work too: {', '.join(cards.available_cards())})")
     src.add_argument("--hf", default=None, help="HF checkpoint folder (config.json + safetensors), loaded lazily")
     ap.add_argument("--card-override", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a card field, e.g. --card-override num_hidden_layers=4 (JSON values)")
@@ -52,7 +55,10 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--save", default=None, help="checkpoint folder (written after the last step)")
     ap.add_argument("--load", default=None, help="checkpoint folder to resume from")
-    ap.add_argument("--log-json", default=None, help="write per-step metrics (JSON lines) here")
+    ap.add_argument("--log-json", default=None, help="write per-step metrics (JSON lines) here (replaces the file)")
+    ap.add_argument("--log-json-append", action="store_true", help="append to --log-json instead of replacing it")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an input error")
+    ap.set_defaults(job=job)
     ap.add_argument("--dry-run", action="store_true",
                     help="build the card's full model on the meta device for --tp/--pp/--ep/--cp and print the plan")
     ap.add_argument("--tp", type=int, default=1)
@@ -78,7 +84,7 @@ def parse_overrides(items: list[str]) -> dict:
     for it in items:
         k, _, v = it.partition("=")
         if not _:
-            raise SystemExit(f"--card-override expects FIELD=VALUE, got {it!r}")
+            raise LauncherInputError(f"--card-override expects FIELD=VALUE, got {it!r}")
         try:
             out[k] = json.loads(v)
         except json.JSONDecodeError:
@@ -175,6 +181,7 @@ def build_model(args, card: dict, config, mtp: bool = False):
 
 def prepare(args, mtp: bool = False, **config_extra):
     """Parallel state, card, config and the model built through ``--spec``: -> (card, model)."""
+    check_inputs(args)
     init_parallel(args)
     card = load_card_from_args(args)
     if getattr(args, "model", "gpt") == "hybrid":
@@ -249,10 +256,14 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
     start = load_checkpoint(args.load, model, opt) if args.load else 0
     model.train()
     log = []
-    bar = tqdm(range(start, start + args.steps), desc=type(model).__name__, dynamic_ncols=True)
-    logf = open(args.log_json, "a") if args.log_json else None
+    label = getattr(args, "job", None) or type(model).__name__
+    # the first step pays one-time costs (torch.compile of megatron-core's fused functions, lazy imports)
+    bar = tqdm(range(start, start + args.steps), desc=f"{label} (first step: warm-up)", dynamic_ncols=True)
+    logf = open(args.log_json, "a" if getattr(args, "log_json_append", False) else "w") if args.log_json else None
     shape = _flops_shape(model, card) if args.device == "cuda" else None
     for step in bar:
+        if step == start + 1:
+            bar.set_description(label, refresh=False)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         res = step_fn(step)
@@ -324,13 +335,13 @@ def apply_recipe(args, card: dict):
         return args
     recipes = card.get("_recipes", {})
     if args.recipe not in recipes:
-        raise SystemExit(f"--recipe {args.recipe!r}: the card has {sorted(recipes) or 'no recipes'}")
+        raise LauncherInputError(f"--recipe {args.recipe!r}: the card has {sorted(recipes) or 'no recipes'}")
     defaults = base_parser("defaults").parse_args([])
     for key, value in recipes[args.recipe].items():
         if key == "description":
             continue
         if not hasattr(defaults, key):
-            raise SystemExit(f"recipe {args.recipe!r}: unknown field {key!r}")
+            raise LauncherInputError(f"recipe {args.recipe!r}: unknown field {key!r}")
         if getattr(args, key) == getattr(defaults, key):
             setattr(args, key, value)
     return args

@@ -52,7 +52,7 @@ def merge_lora(model) -> int:
 
 
 def main(argv=None) -> int:
-    ap = core.base_parser("LoRA fine-tuning (Megatron-Bridge PEFT) of GLM-5 DSA")
+    ap = core.base_parser("LoRA fine-tuning (Megatron-Bridge PEFT) of GLM-5 DSA", job="LoRA")
     ap.add_argument("--lora-dim", type=int, default=8)
     ap.add_argument("--lora-alpha", type=int, default=16)
     ap.add_argument("--lora-indexer", action="store_true", help="also adapt the indexer projections")

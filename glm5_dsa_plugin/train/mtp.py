@@ -9,7 +9,7 @@ __all__ = ["main"]
 
 
 def main(argv=None) -> int:
-    ap = core.base_parser("GLM-5 DSA training with one MTP layer (mtp_num_layers=1)")
+    ap = core.base_parser("GLM-5 DSA training with one MTP layer (mtp_num_layers=1)", job="MTP")
     ap.add_argument("--mtp-loss-scale", type=float, default=0.3)
     args = ap.parse_args(argv)
     if args.dry_run:

@@ -90,7 +90,7 @@ def ppo_loss(logp, roll: dict, clip: float = 0.2, kl_coef: float = 0.0) -> torch
 
 
 def main(argv=None) -> int:
-    ap = core.base_parser("PPO update of GLM-5 DSA over packed rollout batches")
+    ap = core.base_parser("PPO update of GLM-5 DSA over packed rollout batches", job="PPO")
     ap.add_argument("--rollouts", default=None, help="rollout batch (.pt from make_rollouts); default: generated")
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--kl-coef", type=float, default=0.01)
