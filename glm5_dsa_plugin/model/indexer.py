@@ -199,13 +199,17 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     with torch.no_grad():
         for t0 in range(0, T, c):
             t1 = min(T, t0 + c)
+            # query row t is key t (no query_index): keys after the block's last row are invisible to
+            # it, so the block scores and selects over the key prefix [0, t1) only; the same order, as
+            # the tie-break key T_kv - 1 - s and the prefix's t1 - 1 - s both fall as s grows
+            m = min(n, t1) if vis.query_index is None else n
             keys = None
             if use_triton:
-                keys = _triton_scores(q[t0:t1], k, w[t0:t1], vis.query_seq[t0:t1], vis.query_pos[t0:t1],
-                                      qidx[t0:t1], vis.key_seq, vis.key_pos)
+                keys = _triton_scores(q[t0:t1], k[:m], w[t0:t1], vis.query_seq[t0:t1], vis.query_pos[t0:t1],
+                                      qidx[t0:t1], vis.key_seq[:m], vis.key_pos[:m])
             if keys is None:
-                sc = index_scores(q[t0:t1], k, w[t0:t1])
-                keys = score_keys(sc.masked_fill(~vis.mask(slice(t0, t1)), float("-inf")))
+                sc = index_scores(q[t0:t1], k[:m], w[t0:t1])
+                keys = score_keys(sc.masked_fill(~vis.mask(slice(t0, t1))[:, :m], float("-inf")))
             out[t0:t1] = topk_from_keys(keys, topk)
             del keys
     if check:
