@@ -40,7 +40,8 @@ def test_dry_run_glm52_slime_recipe_with_cp8():
     out = subprocess.run([sys.executable, "scripts/train_lora.py", "--card", "glm5.2", "--dry-run", "--recipe",
                           "slime-rl-64k"], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "TP4 PP8 EP32 CP8 (contiguous allgather CP)  micro batch 65536 tokens" in out.stdout
-    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert "TP4 PP8 EP32 CP8 (contiguous allgather CP) DP1  micro batch 1 x 65536 tokens" in out.stdout
+    assert "verdict on 80 GiB cards" in out.stdout and "verdict on 141 GiB cards" in out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit() and "compute [" in line]
     assert [int(r[1].split("-")[0]) for r in rows] == [1, 15, 23, 31, 39, 47, 55, 63]
     assert "8192 local of 65536 tokens: peak" in out.stdout

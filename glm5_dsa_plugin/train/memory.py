@@ -1,0 +1,174 @@
+"""Per-rank memory of a training run, by term, for the dry run (:mod:`.planner`).
+
+All figures are bytes on one rank of one pipeline stage. ``t`` below is the tokens one rank holds
+of a micro batch: ``micro_batch * seq / cp``; hidden-size tensors are further split over TP
+(megatron-core's sequence parallelism, which MoE with TP > 1 requires).
+
+Terms:
+
+* ``weights``: every parameter of the stage in bf16 (2 B), frozen and trainable alike; LoRA
+  adapters are counted in ``lora_weights``.
+* ``grads`` / ``optimizer``: for the trainable parameters only. ``optimizer="megatron"``
+  (megatron-core's mixed precision): fp32 main gradients (4 B) and fp32 master weights plus
+  AdamW's two moments (12 B), the 12 B sharded over the data-parallel ranks (``dp * cp`` for
+  dense, ``dp * cp * tp / ep`` for expert parameters) with ``distributed_optimizer``.
+  ``optimizer="launcher"`` (the launchers' single-process ``torch.optim.AdamW``): gradients and
+  both moments in the parameter's dtype (2 + 4 B).
+* ``activations``: what each layer keeps for its backward, per micro batch, times the micro
+  batches in flight on the stage under 1F1B (``min(pp - stage, micro_batches)``); see
+  :func:`layer_kept_parts`.
+* ``transient``: the largest short-lived allocation of one layer (the DSA layer's largest phase,
+  which holds the guard's and the kernels' workspaces, or the MoE dispatch buffers) and, on the
+  last stage, the logits and the loss.
+
+Recompute (megatron-core's ``--recompute-granularity``): ``selective`` recomputes the core
+attention (the DSA kernel's kept q, out and lse are dropped, the projections kept); ``full``
+keeps only each layer's input per micro batch and re-runs one layer at a time in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+RECOMPUTE = ("none", "selective", "full")
+OPTIMIZERS = ("megatron", "launcher")
+
+
+@dataclass(frozen=True)
+class Training:
+    """What trains: LoRA adapters of rank ``lora_dim`` (``None``: every parameter) and how."""
+
+    lora_dim: int | None = 8
+    lora_indexer: bool = False
+    optimizer: str = "megatron"
+    distributed_optimizer: bool = False
+    recompute: str = "none"
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r}: expected one of {OPTIMIZERS}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}: expected one of {RECOMPUTE}")
+
+
+@dataclass
+class StageMemory:
+    """Bytes of one rank of one stage, by term (``parts``), and their sum."""
+
+    stage: int
+    in_flight: int
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def lora_modules(card: dict, include_indexer: bool) -> list[tuple[str, int, int, str]]:
+    """(name, in_features, out_features, split) of the LoRA targets of one layer; ``split`` is how
+    megatron-core shards the base linear over TP: ``col`` (output), ``row`` (input) or ``none``."""
+    h, H = card["hidden_size"], card["num_attention_heads"]
+    dn, dr, dv = card["qk_nope_head_dim"], card["qk_rope_head_dim"], card["v_head_dim"]
+    mods = [("linear_q_down_proj", h, card["q_lora_rank"], "none"),
+            ("linear_q_up_proj", card["q_lora_rank"], H * (dn + dr), "col"),
+            ("linear_kv_down_proj", h, card["kv_lora_rank"] + dr, "none"),
+            ("linear_kv_up_proj", card["kv_lora_rank"], H * (dn + dv), "col"),
+            ("linear_proj", H * dv, h, "row")]
+    if include_indexer:
+        Hi, Di = card["index_n_heads"], card["index_head_dim"]
+        mods += [("linear_wq_b", card["q_lora_rank"], Hi * Di, "none"), ("linear_wk", h, Di, "none"),
+                 ("linear_weights_proj", h, Hi, "none")]
+    return mods
+
+
+def lora_params_per_layer(card: dict, dim: int, tp: int, include_indexer: bool = False) -> int:
+    """Adapter parameters of one layer on one rank: ``dim * (in + out)`` per target, the side that
+    follows the base linear's TP split divided by ``tp`` (column: the output side; row: the input)."""
+    n = 0
+    for _, fin, fout, split in lora_modules(card, include_indexer):
+        n += dim * ((fin // tp if split == "row" else fin) + (fout // tp if split == "col" else fout))
+    return n
+
+
+def layer_kept_parts(card: dict, tp: int, cp: int, seq: int, micro_batch: int, is_moe: bool, computes: bool,
+                     training: Training, ep: int = 1, cp_layout: str = "zigzag") -> dict[str, int]:
+    """Bytes one layer keeps for its backward per micro batch on one rank (bf16 unless noted).
+
+    * ``attention``: the DSA core's kept tensors (:func:`.planner.attention_activation_parts`) per
+      sequence, times ``micro_batch``;
+    * ``projections``: the MLA projections' kept tensors: the layer input and the normalised input
+      (``2 h``), the query and kv latents before and after their norms (``2 q_lora + 2 (kv_lora + dr)``)
+      and the query heads before absorption (``H / tp * (dn + dr)``);
+    * ``mlp`` (dense): the SwiGLU input ``2 ffn / tp`` (and its output ``ffn / tp`` and the fc1 input
+      ``h`` when the MLP trains);
+    * ``moe``: the residual after attention and its norm (``2 h``), the router's fp32 scores
+      (``E``, twice), the experts' SwiGLU inputs at the router's top-k (``k * 2 moe_ffn``, every
+      token copy once over the EP group: ``t * k`` copies per rank), the routed outputs kept by the
+      unpermute for the probabilities' gradient (``k h``) and the shared expert's SwiGLU input;
+    * ``recompute="full"`` keeps the layer input only; ``"selective"`` drops the DSA core's q, out
+      and lse (recomputed from the kept latents).
+    """
+    from .planner import attention_activation_parts
+
+    h, H = card["hidden_size"], card["num_attention_heads"]
+    t = micro_batch * seq // cp
+    t_sp = t // tp if tp > 1 else t
+    if training.recompute == "full":
+        return dict(layer_input=t_sp * h * 2)
+    attn = attention_activation_parts(card, tp, cp, seq, computes)
+    if training.recompute == "selective":
+        for k in ("q", "out", "lse"):
+            attn[k] = 0
+    dn, dr = card["qk_nope_head_dim"], card["qk_rope_head_dim"]
+    q_lat, kv_lat = card["q_lora_rank"], card["kv_lora_rank"] + dr
+    parts = dict(attention=sum(attn.values()) * micro_batch,
+                 projections=(2 * t_sp * h + 2 * t * q_lat + 2 * t * kv_lat + t * H // tp * (dn + dr)) * 2)
+    full = training.lora_dim is None
+    if not is_moe:
+        ffn = card["intermediate_size"] // tp
+        parts["mlp"] = (2 * t_sp * h + 2 * t * ffn + (t * ffn + t_sp * h) * full) * 2
+    else:
+        E, k, f = card["n_routed_experts"], card["num_experts_per_tok"], card["moe_intermediate_size"]
+        shared = card.get("n_shared_experts", 0) * f // tp
+        parts["moe"] = (2 * t_sp * h * 2 + 2 * t * E * 4 + t * k * 2 * f * 2 + t * k * h * 2
+                        + t * 2 * shared * 2 + (t * k * (f + h) + t * (shared + h)) * 2 * full)
+    return parts
+
+
+def layer_transient_bytes(card: dict, tp: int, cp: int, seq: int, micro_batch: int, is_moe: bool, computes: bool,
+                          cp_layout: str = "zigzag", ep: int = 1) -> dict[str, int]:
+    """The short-lived allocations of one layer on one rank, by phase (they do not overlap; the
+    layer's transient peak is the largest): the DSA layer's largest phase
+    (the guard's and the kernels' workspaces; :func:`.planner.attention_transient_parts`) per
+    sequence times ``micro_batch``, and for a MoE layer the dispatch: the permuted token copies and
+    their combine (``2 k h``, bf16) plus, with EP > 1, the all-to-all's send and receive buffers."""
+    from .planner import attention_transient_parts
+
+    phases = attention_transient_parts(card, tp, cp, seq, computes, cp_layout)
+    out = dict(attention=max(sum(v.values()) for v in phases.values()) * micro_batch)
+    if is_moe:
+        t = micro_batch * seq // cp
+        k, h = card["num_experts_per_tok"], card["hidden_size"]
+        out["moe_dispatch"] = t * k * h * 2 * (2 + 2 * (ep > 1))
+    return out
+
+
+def logits_bytes(card: dict, tp: int, cp: int, seq: int, micro_batch: int) -> dict[str, int]:
+    """Last stage: megatron-core's vocab-parallel cross entropy keeps the fp32 softmax
+    ``[t, V / tp]`` (4 B) and, while it converts, the bf16 logits beside it (2 B); its backward
+    holds the fp32 gradient and its bf16 copy (the same 6 B)."""
+    t = micro_batch * seq // cp
+    V = card["vocab_size"] // tp
+    return dict(softmax_fp32=t * V * 4, logits_bf16=t * V * 2)
+
+
+def optimizer_bytes(trainable_dense: int, trainable_expert: int, training: Training, tp: int, cp: int, ep: int,
+                    dp: int) -> dict[str, int]:
+    """Gradients and AdamW state of the trainable parameters of one rank (see the module doc)."""
+    n = trainable_dense + trainable_expert
+    if training.optimizer == "launcher":
+        return dict(grads=n * 2, optimizer=n * 4)
+    shard_dense = dp * cp if training.distributed_optimizer else 1
+    shard_expert = max(1, dp * cp * tp // ep) if training.distributed_optimizer else 1
+    return dict(grads=n * 4, optimizer=trainable_dense * 12 // shard_dense + trainable_expert * 12 // shard_expert)
