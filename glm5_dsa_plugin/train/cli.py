@@ -64,14 +64,36 @@ class _DropMessage(logging.Filter):
         return not self.pattern.search(record.getMessage())
 
 
+# (logger name, message regex, replacement) of notices that apply, said once in a line
+LOG_SUMMARIES = [
+    ("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED",
+     "megatron-core deprecates GPTModel (the launchers' default, --model gpt); --model hybrid builds HybridModel"),
+]
+
+
+class _Summarise(logging.Filter):
+    def __init__(self, pattern: str, text: str):
+        super().__init__()
+        self.pattern, self.text = re.compile(pattern), text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pattern.search(record.getMessage()):
+            record.msg, record.args = self.text, ()
+        return True
+
+
 def install_filters() -> None:
-    """Install the narrow warning and log filters above (idempotent)."""
+    """Install the narrow warning and log filters and the summaries above (idempotent)."""
     for message, module in WARNING_FILTERS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
     for name, pattern in LOG_FILTERS:
         log = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) and f.pattern.pattern == pattern for f in log.filters):
             log.addFilter(_DropMessage(pattern))
+    for name, pattern, text in LOG_SUMMARIES:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _Summarise) for f in log.filters):
+            log.addFilter(_Summarise(pattern, text))
 
 
 def check_inputs(args) -> None:

@@ -126,3 +126,18 @@ def test_doctor_input_error_is_one_line(monkeypatch, capsys):
     assert len(lines) == 1 and "/nonexistent/tilelang" in lines[0], lines
     with pytest.raises(FileNotFoundError):
         entry.main(["doctor", "--debug"])
+
+
+def test_gpt_model_deprecation_is_one_short_line():
+    import logging
+
+    cli.install_filters()
+    stream = io.StringIO()
+    log = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    handler = logging.StreamHandler(stream)
+    log.addHandler(handler)
+    try:
+        log.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes, no new features.")
+    finally:
+        log.removeHandler(handler)
+    assert stream.getvalue().splitlines() == [cli.LOG_SUMMARIES[0][2]]
