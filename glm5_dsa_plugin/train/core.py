@@ -65,14 +65,17 @@ def base_parser(description: str, job: str | None = None) -> argparse.ArgumentPa
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
-    ap.add_argument("--micro-batch-seq", type=int, default=4096,
-                    help="dry run: tokens per micro batch (global, before the CP split)")
+    ap.add_argument("--micro-batch-seq", dest="seq_len", type=int, default=argparse.SUPPRESS,
+                    help="alias of --seq-len (the dry run plans micro batches of --batch-size x --seq-len tokens)")
     ap.add_argument("--allgather-cp", action="store_true",
                     help="slime's flag: DSA allgather CP over the contiguous layout (default: megatron-core's zigzag)")
     ap.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                     help="layers of the first pipeline stage (megatron-core's argument; dry run)")
     ap.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                     help="layers of the last pipeline stage (megatron-core's argument; dry run)")
+    from .planner import add_plan_arguments
+
+    add_plan_arguments(ap)
     ap.add_argument("--recipe", default=None,
                     help="a parallel layout named in the card's _recipes (e.g. glm5.2's slime-rl-64k); "
                          "flags given on the command line win")
@@ -329,7 +332,7 @@ def lm_step(args, model, card) -> Callable[[int], StepResult]:
 # --------------------------------------------------------------------------- entry
 def apply_recipe(args, card: dict):
     """Fill ``args`` from the card's ``_recipes[args.recipe]`` (argparse names: tp, pp, cp, ep,
-    micro_batch_seq, allgather_cp, decoder_*_pipeline_num_layers) where the command line kept the
+    seq_len, batch_size, allgather_cp, decoder_*_pipeline_num_layers) where the command line kept the
     parser's default."""
     if not args.recipe:
         return args

@@ -145,7 +145,7 @@ def test_dry_run_glm52_reported_layout():
     out = subprocess.run([sys.executable, "scripts/train_lora.py", "--card", "glm5.2", "--dry-run", "--tp", "4", "--pp",
                           "8", "--ep", "16", "--cp", "4"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit() and "compute [" in line]
     assert len(rows) == 8
     firsts = [int(r[1].split("-")[0]) for r in rows]
     from glm5_dsa_plugin.model.indexer import computes_indices
