@@ -219,7 +219,8 @@ def main() -> int:
             vocab = r["vocab"] if r["vocab"] != 154880 else None
             r["planned_peak_gib"] = round(planned_peak(slice_card(r["experts"], vocab), r["T"], r["recompute"]) / GIB,
                                           2)
-            r["planned_over_measured"] = round(r["planned_peak_gib"] / r["peak_gib"], 3)
+            if r.get("peak_gib"):  # an out-of-memory row has no measured peak
+                r["planned_over_measured"] = round(r["planned_peak_gib"] / r["peak_gib"], 3)
         json.dump(rows, open(path, "w"), indent=1)
         print_table(rows)
         return 0
@@ -264,6 +265,10 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'gpu':>5} {'experts':>7} {'vocab':>7} {'T':>6} {'step ms':>8} {'tok/s':>8} {'MFU':>6} "
           f"{'peak GiB':>8} {'planned':>8} {'ratio':>6}")
     for r in rows:
+        if r.get("error"):
+            print(f"{r['gpu']:>5} {r['experts']:>7} {r['vocab']:>7} {r['T']:>6} {r['error'][:60]} "
+                  f"(planned {r['planned_peak_gib']:.2f})")
+            continue
         print(f"{r['gpu']:>5} {r['experts']:>7} {r['vocab']:>7} {r['T']:>6} {r['step_ms']:>8.0f} "
               f"{r['tokens_per_s']:>8.0f} {r['mfu']:>6.3f} {r['peak_gib']:>8.2f} {r['planned_peak_gib']:>8.2f} "
               f"{r['planned_over_measured']:>6.3f}")
