@@ -34,8 +34,11 @@ from megatron.core.utils import get_pg_size
 
 from . import cp_layout as cpx
 from . import indexer as ix
+from . import rollout_numerics
 from .dsa_fields import check_dsa_config
 from ..ops import guard_policy, sparse_mla
+from ..ops.fp8_kv import fake_quant_kv
+from ..ops.indexer import fp8_index
 from .value_projection import value_up_projection
 
 
@@ -67,6 +70,7 @@ class GLM5DSAIndexer(MegatronModule):
         self.rope_dim = c.qk_pos_emb_head_dim
         self.rope_interleaved = bool(c.dsa_indexer_rope_interleaved)
         check_dsa_config(c)
+        self.precision = rollout_numerics.indexer_precision(c)  # "bf16" or "fp8" (the rollout's scoring)
         q_lora_rank = c.q_lora_rank if c.q_lora_rank is not None else c.hidden_size
         common = dict(config=c, init_method=c.init_method, bias=False, skip_bias_add=False,
                       skip_weight_param_allocation=False, parallel_mode="duplicated")
@@ -91,6 +95,14 @@ class GLM5DSAIndexer(MegatronModule):
         q = ix.apply_rope_first(q.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_interleaved)
         k = ix.apply_rope_first(k.view(T, 1, self.head_dim), cos, sin, self.rope_interleaved)[:, 0]
         return q, k, w * self.n_heads**-0.5
+
+    def select_topk(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, vis: ix.Visibility) -> torch.Tensor:
+        """Top-k indices [T, topk] of the indexer scores: bf16 / fp32 (:func:`ix.select_topk`), or with
+        ``dsa_indexer_precision="fp8"`` the FP8 scores of the rollout engines (Hadamard, e4m3, UE8M0
+        scales); both highest first, ties to the lower key index, -1 last."""
+        if self.precision == "fp8":
+            return fp8_index.fp8_select_topk(q, k, w, self.topk, vis.mask)
+        return ix.select_topk(q, k, w, self.topk, vis, check=False)
 
     def _k_norm(self, k: torch.Tensor) -> torch.Tensor:
         """LayerNorm of the indexer key; on fp32 inputs (result cast back) with ``dsa_indexer_k_norm_fp32``."""
@@ -132,6 +144,7 @@ class GLM5DSAttention(MegatronModule):
                  pg_collection: ProcessGroupCollection = None, cp_layout: str = "zigzag"):
         super().__init__(config=config)
         self.layer_number = layer_number
+        self.kv_fp8_qat = rollout_numerics.kv_fp8_qat(config)  # sparse MLA reads the FP8-cache latent
         self.topk_freq = config.dsa_indexer_topk_freq or 1
         self.skip_offset = config.dsa_indexer_skip_topk_offset or 0
         check_dsa_config(config)
@@ -237,6 +250,8 @@ class GLM5DSAttention(MegatronModule):
             kv_att = torch.cat([v, k], dim=-1)
             backend = "reference"
 
+        if absorbed and self.kv_fp8_qat:  # the latent as the rollout's FP8 KV cache holds it (straight-through)
+            kv_att = fake_quant_kv(kv_att)
         if shard is not None:  # CP: the latent kv of the whole sequence set
             kv_att = shard.gather(kv_att)
 
@@ -248,7 +263,7 @@ class GLM5DSAttention(MegatronModule):
             qi, ki, wi = self.indexer.qkw(xs.detach(), qrs.detach(), vis.query_pos)
             if shard is not None:  # CP: the indexer keys of the whole sequence set
                 ki = shard.gather(ki)
-            indices = ix.select_topk(qi.detach(), ki.detach(), wi.detach(), self.indexer.topk, vis, check=False)
+            indices = self.indexer.select_topk(qi.detach(), ki.detach(), wi.detach(), vis)
             if self.topk_freq > 1:  # only kept when later layers reuse them (index sharing)
                 holder[self.layer_number] = indices
             coeff = self.config.dsa_indexer_loss_coeff or 0.0

@@ -16,6 +16,10 @@ field, its value and what to set instead; nothing is silently ignored.
 | ``dsa_indexer_k_norm_epsilon`` | used; None = ``layernorm_epsilon``, as in megatron-core |
 | ``dsa_indexer_k_norm_fp32`` | used |
 | ``dsa_kernel_backend`` | "none" only: it picks megatron-core's own fused kernels, which never run here |
+| ``dsa_indexer_precision`` (ours, megatron-core's pending name) | "bf16" (default) or "fp8": :mod:`.rollout_numerics` |
+| ``dsa_kv_fp8_qat`` (ours) | False (default) or True: :mod:`.rollout_numerics` |
+
+Any other ``dsa_*`` attribute on the config (a misspelt switch) is refused.
 
 ``dsa_indexer_rotate_activation`` multiplies the indexer q and k by the same orthonormal
 Hadamard matrix ``Had / sqrt(Di)``; every score is a dot product q . k, which that rotation
@@ -26,6 +30,8 @@ two and truncates, which is not orthonormal, and a True is refused.
 
 from __future__ import annotations
 
+from . import rollout_numerics
+
 # megatron-core 0.19.2 TransformerConfig DSA fields (tests compare this list with the dataclass)
 KNOWN_DSA_FIELDS = (
     "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_topk_freq",
@@ -34,6 +40,9 @@ KNOWN_DSA_FIELDS = (
     "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32",
 )
 
+# fields this plugin adds (set as config attributes by the launchers)
+PLUGIN_DSA_FIELDS = rollout_numerics.FIELDS
+
 
 def _refuse(field: str, value, why: str, fix: str) -> None:
     raise ValueError(f"glm5_dsa_plugin: config.{field}={value!r} is not supported: {why}; {fix}")
@@ -41,6 +50,12 @@ def _refuse(field: str, value, why: str, fix: str) -> None:
 
 def check_dsa_config(config) -> None:
     """Raise ``ValueError`` for a DSA field value the GLM-5 DSA modules do not implement."""
+    known = set(KNOWN_DSA_FIELDS) | set(PLUGIN_DSA_FIELDS)
+    unknown = sorted(k for k in getattr(config, "__dict__", {}) if k.startswith("dsa_") and k not in known)
+    if unknown:
+        _refuse(unknown[0], getattr(config, unknown[0]), "no DSA field has that name",
+                f"use one of {sorted(known)}")
+    rollout_numerics.check(config)
     coeff = getattr(config, "dsa_indexer_loss_coeff", None) or 0.0
     if coeff < 0:
         _refuse("dsa_indexer_loss_coeff", coeff, "a negative loss coefficient", "set it to 0 (off) or above")

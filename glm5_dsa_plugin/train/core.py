@@ -45,6 +45,12 @@ def base_parser(description: str, job: str | None = None) -> argparse.ArgumentPa
     ap.add_argument("--card-override", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a card field, e.g. --card-override num_hidden_layers=4 (JSON values)")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "tilelang"], help="sparse-MLA backend")
+    ap.add_argument("--dsa-indexer-precision", default=None, choices=["bf16", "fp8"],
+                    help="indexer top-k scoring: fp8 = the rollout engines' FP8 indexer (default: bf16, or fp8 when "
+                         "MEGATRON_USE_SGLANG_FP8_INDEXER=1)")
+    ap.add_argument("--dsa-kv-fp8-qat", action="store_true", default=None,
+                    help="sparse MLA reads the latent as FlashMLA's FP8 KV cache stores it (straight-through "
+                         "gradient; default: off, or on when DSA_KV_FP8_QAT=1)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--steps", type=int, default=5)
@@ -144,7 +150,11 @@ def model_config(args, card: dict, **extra):
     kw = dict(moe_token_dispatcher_type="allgather", params_dtype=dtype, bf16=dtype == torch.bfloat16,
               transformer_impl="transformer_engine" if te else "local", use_cpu_initialization=True)
     kw.update(extra)
-    return cards.card_to_transformer_config(card, **kw)
+    config = cards.card_to_transformer_config(card, **kw)
+    # rollout-matched numerics (glm5_dsa_plugin.model.rollout_numerics): attributes, not dataclass fields
+    config.dsa_indexer_precision = getattr(args, "dsa_indexer_precision", None)
+    config.dsa_kv_fp8_qat = getattr(args, "dsa_kv_fp8_qat", None)
+    return config
 
 
 def build_model(args, card: dict, config, mtp: bool = False):
