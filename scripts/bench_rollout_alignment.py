@@ -2,8 +2,8 @@
 
 The "rollout" forward follows the published inference definitions in inference order: indexer
 scores in FP8 (Hadamard, e4m3 with UE8M0 scales, ``fp8_index``), top-k, the latent kv read back from
-FlashMLA's FP8 cache (656 bytes per token), sparse attention over the gathered keys in fp32, value
-up-projection. The training forward is ours: ``GLM5DSAIndexer``'s top-k (``bf16``: the bf16 / fp32
+FlashMLA's FP8 cache (656 bytes per token), sparse attention over the gathered keys in fp32 with a bf16
+output, bf16 value up-projection. The training forward is ours: ``GLM5DSAIndexer``'s top-k (``bf16``: the bf16 / fp32
 scores; ``rollout_matched``: ``dsa_indexer_precision="fp8"`` and ``dsa_kv_fp8_qat``) and
 ``sparse_mla`` (the TileLang kernel on a GPU). A fixed random readout turns each layer output into
 log-probabilities of random tokens over a 4096-word vocabulary, the quantity an RL loss compares.
@@ -48,7 +48,8 @@ def logprobs(y: torch.Tensor, inp: dict) -> torch.Tensor:
 
 
 def rollout_forward(inp: dict, vis: ix.Visibility, chunk: int = 256):
-    """Inference order: FP8 index -> top-k -> FP8 cache read -> fp32 sparse attention -> up-projection."""
+    """Inference order: FP8 index -> top-k -> FP8 cache read -> sparse attention (fp32, output rounded to
+    bf16) -> bf16 value up-projection."""
     T = inp["q"].shape[0]
     idx = fp8_index.fp8_select_topk(inp["qi"], inp["ki"], inp["wi"], TOPK, vis.mask)
     cache = fp8_kv.pack(inp["kv"][:, 0])  # [T, 656] uint8, what the engine stores
@@ -61,7 +62,8 @@ def rollout_forward(inp: dict, vis: ix.Visibility, chunk: int = 256):
         s = torch.einsum("chd,ckd->chk", inp["q"][t0:t1].float(), kvs) * SM_SCALE
         s = s.masked_fill((sel < 0)[:, None, :], float("-inf"))
         out[t0:t1] = torch.einsum("chk,ckd->chd", torch.softmax(s, -1), kvs[..., :LAT])
-    y = torch.einsum("thc,hdc->thd", out, inp["up_v"].float())
+    # the engine's attention kernel returns bf16; the value up-projection runs on bf16 operands
+    y = torch.einsum("thc,hdc->thd", out.to(torch.bfloat16), inp["up_v"])
     return idx, logprobs(y, inp)
 
 
