@@ -74,6 +74,7 @@ def test_core_attention_tp2_matches_tp1(tmp_path):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         h0, h1 = r[2]["heads"]
         full = r[1]["out"].view(S, B, -1, v)[:, :, h0:h1].reshape(S, B, -1)
-        torch.testing.assert_close(r[2]["out"], full, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(r[2]["dq"], r[1]["dq"][:, :, h0:h1], rtol=1e-5, atol=1e-6)
+        # fp32 matmuls over 2x fewer heads block their sums differently: ~1e-6 apart, a wrong head ~1e-1
+        torch.testing.assert_close(r[2]["out"], full, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r[2]["dq"], r[1]["dq"][:, :, h0:h1], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r[2]["loss"], r[1]["loss"], rtol=1e-5, atol=1e-9)
