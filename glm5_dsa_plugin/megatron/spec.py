@@ -124,12 +124,13 @@ def _check_config(config) -> None:
         raise ValueError("glm5_dsa_plugin.spec: GLM-5 DSA needs multi_latent_attention=True")
 
 
-def dsa_attention_spec(config, backend=None, cp_layout: str = "zigzag") -> ModuleSpec:
+def dsa_attention_spec(config, backend=None, cp_layout: str = "zigzag", mtp: bool = False) -> ModuleSpec:
     """AbsorbedMLASelfAttention whose core attention is :class:`GLM5DSAttention`; ``cp_layout`` is
     the allgather-CP layout (see :mod:`glm5_dsa_plugin.model.cp_layout`). With the contiguous
     layout and ``context_parallel_size > 1`` the self-attention module is
     :class:`~glm5_dsa_plugin.model.contiguous_cp_mla.ContiguousCPAbsorbedMLA` (megatron-core's MLA with
-    RoPE at the contiguous layout's positions; same parameters), on either backend."""
+    RoPE at the contiguous layout's positions; same parameters), on either backend. ``mtp``: the
+    MTP layer's attention (computes its own indices; indexer replay and recording skip it)."""
     from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
         AbsorbedMLASelfAttention,
         AbsorbedMLASelfAttentionSubmodules,
@@ -142,7 +143,7 @@ def dsa_attention_spec(config, backend=None, cp_layout: str = "zigzag") -> Modul
     down = backend.column_parallel_linear() if local else backend.linear()
     core = ModuleSpec(
         module=GLM5DSAttention,
-        params={"cp_layout": cp_layout},
+        params={"cp_layout": cp_layout, **({"is_mtp": True} if mtp else {})},
         submodules=GLM5DSAttentionSubmodules(
             indexer=ModuleSpec(
                 module=GLM5DSAIndexer,
@@ -186,7 +187,8 @@ def _moe_pattern(config) -> list[int]:
     return get_moe_layer_pattern(config)
 
 
-def layer_submodules(config, is_moe: bool, backend=None, cp_layout: str = "zigzag") -> TransformerLayerSubmodules:
+def layer_submodules(config, is_moe: bool, backend=None, cp_layout: str = "zigzag",
+                     mtp: bool = False) -> TransformerLayerSubmodules:
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
     from megatron.core.transformer.torch_norm import L2Norm  # noqa: F401  (import check of the local stack)
@@ -205,7 +207,7 @@ def layer_submodules(config, is_moe: bool, backend=None, cp_layout: str = "zigza
     pre_mlp_norm_fused = not is_moe and backend.fuse_layernorm_and_linear()
     return TransformerLayerSubmodules(
         input_layernorm=backend.layer_norm(rms_norm=rms, for_qk=False),
-        self_attention=dsa_attention_spec(config, backend, cp_layout),
+        self_attention=dsa_attention_spec(config, backend, cp_layout, mtp=mtp),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=IdentityOp if pre_mlp_norm_fused else backend.layer_norm(rms_norm=rms, for_qk=False),
         mlp=mlp,
@@ -292,7 +294,8 @@ def get_glm5_dsa_mtp_spec(args=None, config=None, vp_stage: Optional[int] = None
     backend = _backend(config)
     last_is_moe = bool(_moe_pattern(config)[-1])
     layer = ModuleSpec(module=TransformerLayer,
-                       submodules=layer_submodules(config, last_is_moe, backend, cp_layout=_cp_layout(args, config)))
+                       submodules=layer_submodules(config, last_is_moe, backend, cp_layout=_cp_layout(args, config),
+                                                  mtp=True))
     return get_gpt_mtp_block_spec_for_backend(config=config, spec=layer, backend=backend, vp_stage=vp_stage,
                                               pp_rank=pp_rank)
 
@@ -319,7 +322,7 @@ class GLM5DSATransformerLayer(TransformerLayer):
         if layer_number == 1 and not is_mtp_layer:
             ix.check_stage_layers(global_number, global_number, config.dsa_indexer_topk_freq or 1,
                                   config.dsa_indexer_skip_topk_offset or 0)
-        super().__init__(config, layer_submodules(config, is_moe), layer_number=layer_number,
+        super().__init__(config, layer_submodules(config, is_moe, mtp=is_mtp_layer), layer_number=layer_number,
                          hidden_dropout=hidden_dropout, pg_collection=pg_collection, vp_stage=vp_stage,
                          is_mtp_layer=is_mtp_layer, add_layer_offset=add_layer_offset,
                          pp_layer_offset=pp_layer_offset, name=name)

@@ -34,6 +34,7 @@ from megatron.core.utils import get_pg_size
 
 from . import cp_layout as cpx
 from . import indexer as ix
+from . import indexer_replay as replay_mod
 from . import rollout_numerics
 from .dsa_fields import check_dsa_config
 from ..ops import guard_policy, sparse_mla
@@ -141,9 +142,10 @@ class GLM5DSAttention(MegatronModule):
                  attn_mask_type: AttnMaskType, attention_type: str, attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, k_channels: Optional[int] = None,
                  v_channels: Optional[int] = None, cp_comm_type: str = "p2p",
-                 pg_collection: ProcessGroupCollection = None, cp_layout: str = "zigzag"):
+                 pg_collection: ProcessGroupCollection = None, cp_layout: str = "zigzag", is_mtp: bool = False):
         super().__init__(config=config)
         self.layer_number = layer_number
+        self.is_mtp = is_mtp  # an MTP layer's attention: its own indices, never replayed or recorded
         self.kv_fp8_qat = rollout_numerics.kv_fp8_qat(config)  # sparse MLA reads the FP8-cache latent
         self.topk_freq = config.dsa_indexer_topk_freq or 1
         self.skip_offset = config.dsa_indexer_skip_topk_offset or 0
@@ -164,9 +166,13 @@ class GLM5DSAttention(MegatronModule):
             cpx.check_layout(cp_layout, cp_comm_type)
 
     # ---------------------------------------------------------------- helpers
-    def _holder(self, packed_seq_params, attention_mask, attr: str = _HOLDER_ATTR) -> dict:
-        carrier = packed_seq_params if packed_seq_params is not None else (
+    def _carrier(self, packed_seq_params, attention_mask):
+        """The per-micro-batch object that carries index sharing, replay and recording."""
+        return packed_seq_params if packed_seq_params is not None else (
             attention_mask if attention_mask is not None else self.config)
+
+    def _holder(self, packed_seq_params, attention_mask, attr: str = _HOLDER_ATTR) -> dict:
+        carrier = self._carrier(packed_seq_params, attention_mask)
         holder = getattr(carrier, attr, None)
         if holder is None:
             holder = {}
@@ -259,15 +265,36 @@ class GLM5DSAttention(MegatronModule):
         deterministic = bool(getattr(self.config, "deterministic_mode", False))
         index_logits = None
         if self.indexer is not None:
-            # detached inputs, as in megatron-core: the indexer loss trains the indexer only, never the trunk
-            qi, ki, wi = self.indexer.qkw(xs.detach(), qrs.detach(), vis.query_pos)
-            if shard is not None:  # CP: the indexer keys of the whole sequence set
-                ki = shard.gather(ki)
-            indices = self.indexer.select_topk(qi.detach(), ki.detach(), wi.detach(), vis)
+            carrier = self._carrier(packed_seq_params, attention_mask)
+            replay = None if self.is_mtp else replay_mod.indexer_replay_of(carrier)
+            recorder = None if self.is_mtp else getattr(carrier, replay_mod.RECORDER_ATTR, None)
+            replayed = self._replayed(replay, vis, q.shape[0], q.device) if replay is not None else None
+            coeff = self.config.dsa_indexer_loss_coeff or 0.0
+            want_loss = self.training and coeff > 0 and torch.is_grad_enabled()
+            own_all = replayed is None or replay.measure_overlap
+            if own_all or want_loss or replay.own_rows.numel():
+                # detached inputs, as in megatron-core: the indexer loss trains the indexer only, never the trunk
+                qi, ki, wi = self.indexer.qkw(xs.detach(), qrs.detach(), vis.query_pos)
+                if shard is not None:  # CP: the indexer keys of the whole sequence set
+                    ki = shard.gather(ki)
+            if own_all:
+                indices = self.indexer.select_topk(qi.detach(), ki.detach(), wi.detach(), vis)
+            if replayed is not None:
+                if replay.measure_overlap:
+                    replay.record_overlap(self.layer_number, replayed, indices)
+                    own = indices
+                elif replay.own_rows.numel():
+                    r = replay.own_rows
+                    own = self.indexer.select_topk(qi[r].detach(), ki.detach(), wi[r].detach(), vis.rows(r))
+                indices = replayed
+                if replay.own_rows.numel():  # rows the record does not hold keep the trainer's own top-k
+                    indices = replayed.clone()
+                    indices[replay.own_rows] = own if not replay.measure_overlap else own[replay.own_rows]
+            if recorder is not None:
+                recorder.add(self.layer_number, indices, vis.qidx)
             if self.topk_freq > 1:  # only kept when later layers reuse them (index sharing)
                 holder[self.layer_number] = indices
-            coeff = self.config.dsa_indexer_loss_coeff or 0.0
-            if self.training and coeff > 0 and torch.is_grad_enabled():
+            if want_loss:
                 index_logits = ix.selected_scores(qi, ki, wi, indices, deterministic=deterministic)
         else:
             if self.source_layer not in holder:
@@ -288,6 +315,24 @@ class GLM5DSAttention(MegatronModule):
         if absorbed:
             out = value_up_projection(out, up_v_weight.to(out.dtype))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, H * v]
+
+    def _replayed(self, replay, vis, rows: int, device) -> torch.Tensor:
+        """This layer's replayed indices [rows, topk], checked against the rows this forward holds."""
+        t = replay.layer(self.layer_number, device)
+        if t is None:
+            raise RuntimeError(f"indexer replay: no indices for DSA layer {self.layer_number} (the replay holds "
+                               f"layers {sorted(replay.indices)}); pack it with this stage's layers")
+        if t.shape != (rows, self.indexer.topk):
+            raise RuntimeError(f"indexer replay: layer {self.layer_number} holds {tuple(t.shape)} indices; this "
+                               f"forward has {rows} query rows and index_topk {self.indexer.topk}")
+        if replay.own_rows.device != t.device:
+            replay.own_rows = replay.own_rows.to(t.device)
+        if not getattr(replay, "_rows_checked", False):
+            if not torch.equal(replay.rows.to(vis.qidx.device), vis.qidx):
+                raise RuntimeError("indexer replay: its rows are not the query rows of this rank (context parallel: "
+                                   "pack with rows=cp_layout.local_row_ids(...) of this rank and layout)")
+            replay._rows_checked = True
+        return t
 
     def _attach_indexer_loss(self, out, index_logits, q_att, kv_att, indices, lse):
         """The sparse KL loss of megatron-core (``sparse_loss=True``), attached to ``out`` for backward.

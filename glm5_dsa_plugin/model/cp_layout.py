@@ -106,25 +106,36 @@ def gather_order(bounds: torch.Tensor, cp: int, layout: str) -> Optional[torch.T
     return torch.argsort(gathered)
 
 
+def local_row_ids(layout: str, cp: int, rank: int, local_tokens: int, batch: int = 1,
+                  cu_seqlens: Optional[torch.Tensor] = None,
+                  cu_seqlens_padded: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The global packed row of each of ``rank``'s local rows: int64 [local_tokens] (CPU), local
+    order; equals ``shard(...).vis.query_index`` (bshd: row ``b * s + i``, batch-major).
+
+    Arguments as in :func:`shard`: ``cu_seqlens`` describe the global packed sequence, which must
+    hold exactly ``cp * local_tokens`` rows; None for bshd (``local_tokens = b * s_local``)."""
+    total = cp * local_tokens
+    if cu_seqlens is None:
+        return local_rows(units(layout, total, batch), cp, rank, layout)
+    extent = (cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens).detach().to("cpu", torch.int64)
+    if int(extent[-1]) != total:
+        name = "cu_seqlens_q_padded" if cu_seqlens_padded is not None else "cu_seqlens_q"
+        raise ValueError(f"CP={cp}: {name}[-1] = {int(extent[-1])} global tokens, but this rank holds {local_tokens} "
+                         f"rows ({total} over the CP group); cu_seqlens must describe the global packed sequence")
+    return local_rows(units(layout, total, cu_seqlens=extent), cp, rank, layout)
+
+
 def positions_in_sequence(layout: str, cp: int, rank: int, local_tokens: int, batch: int = 1,
                           cu_seqlens: Optional[torch.Tensor] = None,
                           cu_seqlens_padded: Optional[torch.Tensor] = None) -> torch.Tensor:
     """RoPE position of each of ``rank``'s local rows: its offset inside its own sequence (THD:
     inside the padded extent, ``cu_seqlens_padded`` when given, as megatron-core counts it; bshd:
     inside its row). int64 [local_tokens] (CPU), local order; equals ``shard(...).vis.query_pos``.
-
-    Arguments as in :func:`shard`: ``cu_seqlens`` describe the global packed sequence, which must
-    hold exactly ``cp * local_tokens`` rows; None for bshd (``local_tokens = b * s_local``)."""
-    total = cp * local_tokens
+    Arguments as in :func:`local_row_ids`."""
+    rows = local_row_ids(layout, cp, rank, local_tokens, batch, cu_seqlens, cu_seqlens_padded)
     if cu_seqlens is None:
-        rows = local_rows(units(layout, total, batch), cp, rank, layout)
-        return rows % (total // batch)
+        return rows % (cp * local_tokens // batch)
     extent = (cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens).detach().to("cpu", torch.int64)
-    if int(extent[-1]) != total:
-        name = "cu_seqlens_q_padded" if cu_seqlens_padded is not None else "cu_seqlens_q"
-        raise ValueError(f"CP={cp}: {name}[-1] = {int(extent[-1])} global tokens, but this rank holds {local_tokens} "
-                         f"rows ({total} over the CP group); cu_seqlens must describe the global packed sequence")
-    rows = local_rows(units(layout, total, cu_seqlens=extent), cp, rank, layout)
     seq = torch.searchsorted(extent, rows, right=True) - 1  # empty sequences share a start: the last one wins
     return rows - extent[seq]
 
