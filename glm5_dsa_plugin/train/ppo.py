@@ -1,13 +1,23 @@
 """PPO update over packed-THD rollout batches (``scripts/train_ppo.py``): token log-probs through
-our DSA attention, the clipped objective with a k3 KL penalty."""
+our DSA attention, the clipped objective with a k3 KL penalty.
+
+Indexer replay (:mod:`glm5_dsa_plugin.model.indexer_replay`): ``--record-indexer-topk PATH`` runs the
+rollout batch forward once and saves it with the top-k each index-computing layer picked (the
+rollout engine's capture, ``roll["indexer_topk"]``); ``--indexer-replay`` trains on a batch's
+``indexer_topk`` instead of the trainer's own top-k; ``--indexer-topk-overlap`` also reports, per
+step, how many replayed members the trainer's own indexer would have picked."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from . import core
+from .cli import LauncherInputError
 
-__all__ = ["main", "make_rollouts", "packed_params", "ppo_loss", "token_logprobs"]
+__all__ = ["main", "make_rollouts", "packed_params", "ppo_loss", "record_indexer_topk", "rollout_replay",
+           "token_logprobs"]
 
 
 def make_rollouts(card: dict, n_seqs: int = 6, seed: int = 0, pad_to: int = 8, max_len: int | None = None) -> dict:
@@ -70,10 +80,19 @@ def packed_params(roll: dict, device):
                            max_seqlen_q=mx, max_seqlen_kv=mx)
 
 
-def token_logprobs(model, roll: dict, device) -> torch.Tensor:
-    """log p(label_t | tokens_<=t) for every packed position, through the model (our attention)."""
+def token_logprobs(model, roll: dict, device, replay=None, recorder=None) -> torch.Tensor:
+    """log p(label_t | tokens_<=t) for every packed position, through the model (our attention).
+    ``replay``: an :class:`~glm5_dsa_plugin.model.indexer_replay.IndexerReplay` the DSA layers train
+    on; ``recorder``: an :class:`~glm5_dsa_plugin.model.indexer_replay.IndexerTopkRecorder` to fill."""
+    from ..model import indexer_replay as ir
+
     tok = roll["tokens"][None].to(device)
-    logits = model(tok, roll["positions"][None].to(device), None, packed_seq_params=packed_params(roll, device))
+    params = packed_params(roll, device)
+    if replay is not None:
+        ir.attach_indexer_replay(params, replay)
+    if recorder is not None:
+        ir.attach_indexer_topk_recorder(params, recorder)
+    logits = model(tok, roll["positions"][None].to(device), None, packed_seq_params=params)
     logp = torch.log_softmax(logits.float(), dim=-1)[0]
     return logp.gather(-1, roll["labels"].to(device)[:, None])[:, 0]
 
@@ -89,23 +108,84 @@ def ppo_loss(logp, roll: dict, clip: float = 0.2, kl_coef: float = 0.0) -> torch
     return (pg * mask).sum() / mask.sum().clamp_min(1)
 
 
+def _dsa_geometry(model) -> dict:
+    c = model.config
+    return dict(num_layers=c.num_layers, topk=c.dsa_indexer_topk, topk_freq=c.dsa_indexer_topk_freq or 1,
+                skip_offset=c.dsa_indexer_skip_topk_offset or 0)
+
+
+def record_indexer_topk(model, roll: dict, device) -> dict:
+    """``roll`` plus ``indexer_topk``: per sample the int32 ``[n_tokens - 1, n_computing_layers,
+    topk]`` top-k of one no-grad forward (the format SGLang returns in ``meta_info``)."""
+    from ..model import indexer_replay as ir
+
+    rec = ir.IndexerTopkRecorder()
+    with torch.no_grad():
+        token_logprobs(model, roll, device, recorder=rec)
+    lens = roll["seq_lens"].to(torch.int64)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    return {**roll, "indexer_topk": rec.records(cu, roll["cu_seqlens_padded"])}
+
+
+def rollout_replay(model, roll: dict, measure_overlap: bool = False):
+    """The :class:`~glm5_dsa_plugin.model.indexer_replay.IndexerReplay` of ``roll["indexer_topk"]``
+    in the packed rows :func:`packed_params` describes (validated against the model's geometry)."""
+    from ..model import indexer_replay as ir
+
+    if "indexer_topk" not in roll:
+        raise LauncherInputError("--indexer-replay: the rollout batch has no 'indexer_topk' (record one with "
+                                 "--record-indexer-topk PATH, or store the rollout engine's per-sample top-k there)")
+    lens = roll["seq_lens"].to(torch.int64)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    try:
+        return ir.pack_indexer_topk(roll["indexer_topk"], cu, cu_seqlens_padded=roll["cu_seqlens_padded"],
+                                    measure_overlap=measure_overlap, **_dsa_geometry(model))
+    except ir.IndexerReplayError as e:
+        raise LauncherInputError(f"--indexer-replay: {e}") from None
+
+
 def main(argv=None) -> int:
     ap = core.base_parser("PPO update of GLM-5 DSA over packed rollout batches", job="PPO")
     ap.add_argument("--rollouts", default=None, help="rollout batch (.pt from make_rollouts); default: generated")
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--kl-coef", type=float, default=0.01)
+    ap.add_argument("--record-indexer-topk", default=None, metavar="PATH",
+                    help="forward the rollout batch once, save it with each sample's indexer top-k "
+                         "('indexer_topk') to PATH and exit (stands in for the rollout engine's capture)")
+    ap.add_argument("--indexer-replay", action="store_true",
+                    help="train on the rollout batch's 'indexer_topk' instead of the trainer's own top-k")
+    ap.add_argument("--indexer-topk-overlap", action="store_true",
+                    help="with --indexer-replay: log the share of replayed top-k members the trainer's own "
+                         "indexer also picks (indexer_topk_overlap, and the rows below 0.8)")
     args = ap.parse_args(argv)
     if args.dry_run:
         return core.run_dry(args)
+    if args.indexer_topk_overlap and not args.indexer_replay:
+        raise LauncherInputError("--indexer-topk-overlap measures a replay: add --indexer-replay")
     card, model = core.prepare(args, mtp_num_layers=None)
     roll = (torch.load(args.rollouts) if args.rollouts
             else make_rollouts(card, n_seqs=args.batch_size, seed=args.seed, max_len=args.seq_len))
+    if args.record_indexer_topk:
+        Path(args.record_indexer_topk).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(record_indexer_topk(model, roll, args.device), args.record_indexer_topk)
+        print(f"rollout batch with indexer_topk ({len(roll['seq_lens'])} samples) -> {args.record_indexer_topk}")
+        return 0
+    replay = rollout_replay(model, roll, args.indexer_topk_overlap) if args.indexer_replay else None
+    seq_lens = [int(n) for n in roll["seq_lens"]]
 
     def step(i: int) -> core.StepResult:
-        logp = token_logprobs(model, roll, args.device)
+        from ..model import indexer_replay as ir
+
+        if replay is not None:
+            replay.overlap.clear()  # per-step figures
+        logp = token_logprobs(model, roll, args.device, replay=replay)
         loss = ppo_loss(logp, roll, args.clip, args.kl_coef)
         loss.backward()
-        return core.StepResult(float(loss.detach()), int(roll["seq_lens"].sum()))
+        metrics = {}
+        if args.indexer_topk_overlap:
+            ov = ir.indexer_topk_overlap(replay)
+            metrics = {"indexer_topk_overlap": ov["mean"], "indexer_rows_below_0_8": ov["rows_below_0_8"]}
+        return core.StepResult(float(loss.detach()), sum(seq_lens), metrics=metrics, seq_lens=seq_lens)
 
     core.train(args, model, card, step)
     return 0
