@@ -8,6 +8,9 @@ bf16, TP 1, local linears, indexer loss on. Implementations, same weights, same 
     mcore_sparse  megatron-core's layer from ``get_dsa_module_spec_for_backend`` with its TileLang
                   kernels and ``dsa_indexer_use_sparse_loss=True`` (the loss ours computes)
     mcore_dense   the same with megatron-core's default dense indexer loss
+    ours_replay   ours training on replayed indices (its own recorded top-k, handed back through
+                  ``glm5_dsa_plugin.model.indexer_replay``: the indexer's top-k is skipped, the
+                  indices are copied from pinned host memory every forward)
     ours_te       ours with ``transformer_impl="transformer_engine"`` (TE linears and norms)
     mcore_te      mcore_sparse on TransformerEngine modules (megatron-core's TE DSA spec)
 
@@ -288,6 +291,24 @@ def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
                 params_only_one_side=sorted(set(g1) ^ set(g2)))
 
 
+def attach_own_replay(lay, cfg, x) -> None:
+    """Record the layer's own top-k in one no-grad forward and attach it as the replay of every
+    later forward (the carrier is the config: the benchmark passes no mask or packed params)."""
+    from glm5_dsa_plugin.model import indexer_replay as ir
+
+    rec = ir.IndexerTopkRecorder()
+    ir.attach_indexer_topk_recorder(cfg, rec)
+    with torch.no_grad():
+        lay(hidden_states=x, attention_mask=None)
+    ir.attach_indexer_topk_recorder(cfg, None)
+    T = x.shape[0]
+    cu = torch.tensor([0, T])
+    replay = ir.pack_indexer_topk(rec.records(cu), cu, num_layers=cfg.num_layers, topk=cfg.dsa_indexer_topk,
+                                  topk_freq=cfg.dsa_indexer_topk_freq or 1,
+                                  skip_offset=cfg.dsa_indexer_skip_topk_offset or 0)
+    ir.attach_indexer_replay(cfg, replay)
+
+
 def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
     row = dict(layer=layer, T=T, impl=impl, fwd_ms=None, fwd_bwd_ms=None, peak_gib=None, tflops=None, mfu=None,
                breakdown=None, floor=None, error=None, date=None)
@@ -301,6 +322,8 @@ def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
         x = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
         x.requires_grad_(True)
         grad = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
+        if impl == "ours_replay":
+            attach_own_replay(lay, cfg, x)
         fwd, fwd_bwd = layer_steps(lay, x, grad)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -311,7 +334,7 @@ def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["fwd_ms"] = timed(fwd, warmup, rep, device)
         row["fwd_bwd_ms"] = timed(fwd_bwd, warmup, rep, device)
-        if breakdown and impl.startswith("ours"):
+        if breakdown and impl in ("ours", "ours_te"):
             parts = breakdown_ours(lay, x, dims, device, warmup, rep)
             parts["projections_mlp"] = max(0.0, row["fwd_bwd_ms"] - sum(parts.values()))
             row["breakdown"] = parts
@@ -356,7 +379,7 @@ def breakdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-IMPLS = ("ours", "mcore_sparse", "mcore_dense", "ours_te", "mcore_te")
+IMPLS = ("ours", "ours_replay", "mcore_sparse", "mcore_dense", "ours_te", "mcore_te")
 
 
 def merge_rows(old: list[dict], new: list[dict], key=("layer", "T", "impl")) -> list[dict]:
