@@ -26,7 +26,6 @@ arguments carry it, else megatron-core's zigzag layout.
 
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -84,9 +83,6 @@ def _cp_layout() -> str:
     return cpx.layout_from_args(_training_args())
 
 
-_ATTENTION_TAKES_IS_MTP = "is_mtp" in inspect.signature(GLM5DSAttention.__init__).parameters
-
-
 class GLM5HybridDSAttention(GLM5DSAttention):
     """:class:`GLM5DSAttention` numbered by its DSA layer number (``dsa_layer_number``, the n-th ``D``)
     instead of the hybrid layer number: index sharing, its holder, replay and the indexer-loss
@@ -107,11 +103,10 @@ class GLM5HybridDSALayer(TransformerLayer):
         gspec._check_config(config)
         dsa_number = hp.dsa_layer_number(hybrid_layer_pattern_of(config), layer_number, mtp=is_mtp_layer)
         backend = gspec._backend(config)
-        attention = gspec.dsa_attention_spec(config, backend, _cp_layout())
+        # the MTP attention (is_mtp) computes its own indices: never replayed or recorded
+        attention = gspec.dsa_attention_spec(config, backend, _cp_layout(), mtp=is_mtp_layer)
         core = attention.submodules.core_attention
         params = {**core.params, "dsa_layer_number": dsa_number}
-        if is_mtp_layer and _ATTENTION_TAKES_IS_MTP:  # the MTP attention: its own indices, never replayed
-            params["is_mtp"] = True
         attention.submodules.core_attention = ModuleSpec(module=GLM5HybridDSAttention, params=params,
                                                          submodules=core.submodules)
         subs = TransformerLayerSubmodules(

@@ -55,6 +55,8 @@ def test_pattern_builds_our_layers_and_trains(megatron_single_process, mtp):
     assert (getattr(model, "mtp", None) is not None) == mtp
     cores = [m for m in model.modules() if isinstance(m, GLM5DSAttention)]
     assert len(cores) == 2 + int(mtp)
+    mtp_cores = [m for m in model.mtp.modules() if isinstance(m, GLM5DSAttention)] if mtp else []
+    assert [c.is_mtp for c in cores] == [c in mtp_cores for c in cores]  # the MTP attention is never replayed
     tok, pos, labels = batch(card)
     loss = model(tok, pos, None, labels=labels)
     assert loss.shape == (B, S) and torch.isfinite(loss).all()

@@ -91,8 +91,8 @@ def tree(obj, te_names):
         return te_names[id(obj)]
     if isinstance(obj, ModuleSpec):
         params = obj.params
-        if obj.module is ours_attention.GLM5DSAttention:  # our one constructor argument megatron-core's DSAttention lacks
-            params = {k: v for k, v in params.items() if k != "cp_layout"}
+        if obj.module is ours_attention.GLM5DSAttention:  # our constructor arguments megatron-core's DSAttention lacks
+            params = {k: v for k, v in params.items() if k not in ("cp_layout", "is_mtp")}
         return {"module": _name(obj.module, te_names), "params": tree(params, te_names),
                 "submodules": tree(obj.submodules, te_names), "metainfo": tree(obj.metainfo, te_names)}
     if isinstance(obj, functools.partial):
@@ -170,6 +170,9 @@ def test_te_mtp_block_matches_megatron_core(fake_te):
     assert len(ours.layer_specs) == len(ref.layer_specs) == 1
     problems = _diff(tree(ours, te_names), tree(ref, te_names), "mtp")
     assert not problems, "\n".join(problems)
+    # the MTP layer computes its own top-k (indexer replay and recording skip it)
+    att = ours.layer_specs[0].submodules.mtp_model_layer.submodules.self_attention
+    assert att.submodules.core_attention.params["is_mtp"] is True
 
 
 def test_te_slime_allgather_cp_differs_only_in_the_mla_class(fake_te):
