@@ -402,6 +402,9 @@ def chart(result: dict, path: str) -> None:
         breakdown_chart(axes[2], parted, result["gpu"])
     for ax, layer in zip(axes, ("dense", "moe")):
         rows = [r for r in result["rows"] if r["layer"] == layer]
+        if not rows:  # a run of one layer kind
+            ax.axis("off")
+            continue
         Ts = sorted({r["T"] for r in rows})
         impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
         width = 0.8 / len(impls)
