@@ -10,7 +10,7 @@ bf16, TP 1, local linears, indexer loss on. Implementations, same weights, same 
     mcore_dense   the same with megatron-core's default dense indexer loss
     ours_replay   ours training on replayed indices (its own recorded top-k, handed back through
                   ``glm5_dsa_plugin.model.indexer_replay``: the indexer's top-k is skipped, the
-                  indices are copied from pinned host memory every forward)
+                  indices come from pinned host memory and stay on the GPU once copied)
     ours_te       ours with ``transformer_impl="transformer_engine"`` (TE linears and norms)
     mcore_te      mcore_sparse on TransformerEngine modules (megatron-core's TE DSA spec)
 
