@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from glm5_dsa_plugin.ops import configure, sparse_mla  # noqa: E402
 from glm5_dsa_plugin.ops import reference as ref  # noqa: E402
-from glm5_dsa_plugin.ops.contract import check_indices, flops  # noqa: E402
+from glm5_dsa_plugin.ops.contract import check_indices, flops, problem_of  # noqa: E402
 from glm5_dsa_plugin.ops.workloads import w1_indices, w2_indices  # noqa: E402
 
 SCALE = 256**-0.5
@@ -103,8 +103,9 @@ def prebuild(impls, heads, extras=True):
             out = sparse_mla(q, kv, idx, SCALE, d_v=D_V, backend="tilelang", deterministic=True)[0]
         elif name == "unsafe":  # the fix-cost rows' kernels
             be = TileLangBackend()._with_choices(safe=False)
-            o, l = be.forward(q[None].detach(), kv[None].detach(), idx[None], SCALE, D_V)
-            be.backward(q[None].detach(), kv[None].detach(), idx[None], o, l, torch.ones_like(o), SCALE, D_V)
+            prob = problem_of(q[None], kv[None], idx[None], SCALE, D_V)
+            o, l = be.forward(q[None].detach(), kv[None].detach(), idx[None], prob)
+            be.backward(q[None].detach(), kv[None].detach(), idx[None], o, l, torch.ones_like(o), prob)
             return
         else:
             out = impls[name](q, kv, idx)
@@ -133,9 +134,10 @@ def fix_cost(gen, idx, T, T_kv, H=64):
         q = torch.randn(1, T, H, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
         kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(1, T, H, D_V, generator=gen, device="cuda", dtype=torch.bfloat16)
-        o, l = be.forward(q, kv, idx[None], SCALE, D_V)
-        out[f"W1_H{H}_kernel_fwd_ms_{label}"] = bench(lambda: be.forward(q, kv, idx[None], SCALE, D_V))
-        out[f"W1_H{H}_kernel_bwd_ms_{label}"] = bench(lambda: be.backward(q, kv, idx[None], o, l, g, SCALE, D_V))
+        prob = problem_of(q, kv, idx[None], SCALE, D_V)
+        o, l = be.forward(q, kv, idx[None], prob)
+        out[f"W1_H{H}_kernel_fwd_ms_{label}"] = bench(lambda: be.forward(q, kv, idx[None], prob))
+        out[f"W1_H{H}_kernel_bwd_ms_{label}"] = bench(lambda: be.backward(q, kv, idx[None], o, l, g, prob))
     return out
 
 
@@ -151,13 +153,13 @@ def guard_repair_cost(gen, frac=0.01):
         reports_nonfinite = False  # NaN is written after the kernels: the guard scans itself
         finite_out_lse_bound = None  # (out too: its lse stays usual)
 
-        def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
-            out, lse, saved = super().forward_saving(q, kv, indices, sm_scale, d_v, index_flag)
+        def forward_saving(self, q, kv, indices, prob, index_flag=None):
+            out, lse, saved = super().forward_saving(q, kv, indices, prob, index_flag)
             out[:, bad_rows] = float("nan")
             return out, lse, saved
 
-        def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v):
-            dq, dkv = super().backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v)
+        def backward_saved(self, q, saved, out, lse, grad_out, prob):
+            dq, dkv = super().backward_saved(q, saved, out, lse, grad_out, prob)
             dq[:, bad_rows] = float("nan")
             return dq, dkv
 
@@ -455,7 +457,7 @@ def main():
         from glm5_dsa_plugin.ops.guard.device_checks import check_forward
 
         gated = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
-        bound = TileLangBackend().finite_out_lse_bound(SCALE, idx.shape[-1])
+        bound = TileLangBackend().finite_out_lse_bound(problem_of(q, kv, idx, SCALE, D_V))
         ext_ = (idx >= 0).any(-1).to(torch.int32)  # (as row_extent: > 0 where a row has a valid slot)
         extra["W2_H64_guard_check_fwd_gated_ms"] = bench(
             lambda: check_forward(o_, l_, gated, Flag.NONFINITE, Flag.KV_SUSPECT, bound, EMPTY_ROW_LSE, ext_,

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_sparse_mla import D_V, SCALE, rel  # noqa: E402  (the bench's scale, width and rel L2)
 from glm5_dsa_plugin.ops import reference as ref  # noqa: E402
+from glm5_dsa_plugin.ops.contract import problem_of  # noqa: E402
 from glm5_dsa_plugin.ops.workloads import w1_indices, w2_indices  # noqa: E402
 
 REL_BOUND, LSE_BOUND = 3e-3, 1e-3
@@ -64,8 +65,9 @@ def run_case(case: dict) -> list[dict]:
     rows = []
     for name, be in variants.items():
         for call in range(2):  # "auto" may switch paths once the first call's counts are in
-            out, lse, saved = be.forward_saving(q, kv, idx, SCALE, D_V)
-            dq, dkv = be.backward_saved(q, saved, out, lse, g, SCALE, D_V)
+            prob = problem_of(q, kv, idx, SCALE, D_V)
+            out, lse, saved = be.forward_saving(q, kv, idx, prob)
+            dq, dkv = be.backward_saved(q, saved, out, lse, g, prob)
             if q.is_cuda:
                 torch.cuda.synchronize()
             row = dict(case, T_kv=T_kv, variant=name, call=call, row_groups=len(saved) > 3,

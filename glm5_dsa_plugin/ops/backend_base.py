@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from .contract import Problem
+
 
 class Backend:
     """A sparse-MLA implementation, registered under its ``name`` with :func:`register_backend`.
 
     A backend implements :meth:`available`, :meth:`forward` and :meth:`backward` (tensors in the
     layout of ``contract.py``: q [B, T, H, Dqk], kv [B, T_kv, G, Dqk], indices [B, T, G, topk]
-    int32). Everything else is an optional capability; the defaults here describe a backend
-    without it, and the op and the guard call these members without probing for them.
+    int32). Every method receives the call's :class:`~.contract.Problem` ``prob`` (sizes and
+    ``prob.sm_scale``, a float), built once by ``contract.canonicalize``: a backend reads sizes
+    and the scale from it instead of re-reading shapes or re-casting the scale. Everything else is
+    an optional capability; the defaults here describe a backend without it, and the op and the
+    guard call these members without probing for them.
     """
 
     name: str = ""
@@ -28,38 +33,38 @@ class Backend:
         """(usable here, the reason)."""
         raise NotImplementedError
 
-    def forward(self, q, kv, indices, sm_scale: float, d_v: int, **flags):
+    def forward(self, q, kv, indices, prob: Problem, **flags):
         """-> (out [B, T, H, d_v], lse [B, T, H] fp32). ``flags``: ``index_flag`` (see
         :attr:`memory_safe_on_any_index`), ``kv_flag`` (see :meth:`finite_out_lse_bound`)."""
         raise NotImplementedError
 
-    def backward(self, q, kv, indices, out, lse, grad_out, sm_scale: float, d_v: int):
+    def backward(self, q, kv, indices, out, lse, grad_out, prob: Problem):
         """-> (dq, dkv) in the dtypes of q and kv."""
         raise NotImplementedError
 
-    def forward_saving(self, q, kv, indices, sm_scale: float, d_v: int, **flags):
+    def forward_saving(self, q, kv, indices, prob: Problem, **flags):
         """-> (out, lse, saved): ``saved``, a tuple of tensors, is what autograd keeps in place of
         (kv, indices) for :meth:`backward_saved`. A backend that prepares its inputs (e.g.
         rewritten indices) once per call keeps them here; the default keeps (kv, indices)."""
-        out, lse = self.forward(q, kv, indices, sm_scale, d_v, **flags)
+        out, lse = self.forward(q, kv, indices, prob, **flags)
         return out, lse, (kv, indices)
 
-    def backward_saved(self, q, saved, out, lse, grad_out, sm_scale: float, d_v: int, nonfinite_flag=None):
+    def backward_saved(self, q, saved, out, lse, grad_out, prob: Problem, nonfinite_flag=None):
         """-> (dq, dkv) from :meth:`forward_saving`'s ``saved``; ``nonfinite_flag`` only when
         :attr:`reports_nonfinite`."""
-        return self.backward(q, *saved, out, lse, grad_out, sm_scale, d_v)
+        return self.backward(q, *saved, out, lse, grad_out, prob)
 
-    def originals(self, saved: tuple, topk: int):
+    def originals(self, saved: tuple, prob: Problem):
         """(kv, indices) of the call that returned ``saved``, as the caller passed them (the
         guard's reference repair and dumps read these)."""
         return saved[0], saved[1]
 
-    def padded_views(self, saved: tuple, topk: int):
+    def padded_views(self, saved: tuple, prob: Problem):
         """(kv, indices) as views of ``saved`` without a copy, where a slot is valid iff
         0 <= index < T_kv (the guard's device-side repair reads these on every backward)."""
-        return self.originals(saved, topk)
+        return self.originals(saved, prob)
 
-    def finite_out_lse_bound(self, sm_scale: float, topk: int) -> float | None:
+    def finite_out_lse_bound(self, prob: Problem) -> float | None:
         """None, or a bound B with which :meth:`forward_saving` also takes ``kv_flag`` (int32 [1])
         and sets it when kv is suspect. While that flag is clear, B promises that a row is finite
         and exact when its lse is finite with |lse| <= B, or when it is empty (EMPTY_ROW_LSE) with

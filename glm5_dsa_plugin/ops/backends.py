@@ -85,11 +85,11 @@ class ReferenceBackend(Backend):
     def available(self) -> tuple[bool, str]:
         return True, "pure PyTorch"
 
-    def forward(self, q, kv, indices, sm_scale, d_v):
-        return reference.forward(q, kv, indices, sm_scale, d_v)
+    def forward(self, q, kv, indices, prob):
+        return reference.forward(q, kv, indices, prob.sm_scale, prob.d_v)
 
-    def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
-        return reference.backward(q, kv, indices, grad_out, sm_scale, d_v)
+    def backward(self, q, kv, indices, out, lse, grad_out, prob):
+        return reference.backward(q, kv, indices, grad_out, prob.sm_scale, prob.d_v)
 
     def deterministic_variant(self, device: torch.device | None = None) -> Backend:
         """Itself: index_add_ accumulates dkv deterministically on CPU and, on CUDA, only under

@@ -41,7 +41,16 @@ class SparseMLAInputError(ValueError):
 
 @dataclass(frozen=True)
 class Problem:
-    """Sizes of one canonicalised call (all inputs batched)."""
+    """One canonicalised call, as every backend receives it (built once, by :func:`canonicalize`).
+
+    Sizes of the batched inputs: q [batch, seq_len, heads, d_qk], kv [batch, seq_len_kv,
+    kv_groups, d_qk], indices [batch, seq_len, kv_groups, topk]; ``d_v`` leading channels of kv
+    are the values. ``sm_scale`` is the softmax scale as a finite Python float > 0 (the one cast
+    of the caller's value). ``batched_input``: whether the caller passed the batched form (the
+    op squeezes the batch back otherwise). Backends read sizes and the scale from here, not from
+    the tensors' shapes: a backend's prepared tensors may be padded (topk, heads, a sentinel kv
+    row) while the problem is not.
+    """
 
     batch: int
     seq_len: int
@@ -51,7 +60,8 @@ class Problem:
     topk: int
     d_qk: int
     d_v: int
-    batched_input: bool
+    sm_scale: float
+    batched_input: bool = True
 
     @property
     def d_tail(self) -> int:
@@ -125,8 +135,14 @@ def canonicalize(q, kv, indices, sm_scale, d_v) -> tuple[torch.Tensor, torch.Ten
     d_v = int(d_v)
     if not 0 < d_v <= Dqk:
         _fail(f"sparse_mla: d_v={d_v} must satisfy 0 < d_v <= Dqk={Dqk}")
-    prob = Problem(B, T, T_kv, H, G, topk, Dqk, d_v, batched)
+    prob = Problem(B, T, T_kv, H, G, topk, Dqk, d_v, sm_scale, batched)
     return q, kv, indices, prob
+
+
+def problem_of(q, kv, indices, sm_scale, d_v) -> Problem:
+    """The :class:`Problem` of a call (:func:`canonicalize`'s checks included), for code that
+    drives a backend directly rather than through :func:`~glm5_dsa_plugin.ops.sparse_mla`."""
+    return canonicalize(q, kv, indices, sm_scale, d_v)[3]
 
 
 def _bad_index_mask(indices: torch.Tensor, seq_len_kv: int) -> torch.Tensor:

@@ -14,12 +14,12 @@ class _SparseMLAFunction(torch.autograd.Function):
     guard's forward directly (``sparse_mla``)."""
 
     @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v, backend, defer_index_check):
-        out, lse, saved, ctx.pending_flags = _guard.run_forward(backend, q, kv, indices, sm_scale, d_v,
+    def forward(ctx, q, kv, indices, prob, backend, defer_index_check):
+        out, lse, saved, ctx.pending_flags = _guard.run_forward(backend, q, kv, indices, prob,
                                                                 defer_index_check, backward_follows=True)
         # saved replaces (kv, indices): a backend's prepared inputs are built once per call
         ctx.save_for_backward(q, out, lse, *saved)
-        ctx.sm_scale, ctx.d_v, ctx.backend, ctx.topk = sm_scale, d_v, backend, indices.shape[-1]
+        ctx.prob, ctx.backend = prob, backend
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (one fill per backward)
         return out, lse
@@ -29,15 +29,13 @@ class _SparseMLAFunction(torch.autograd.Function):
         q, out, lse, *saved = ctx.saved_tensors
         dq = dkv = None
         if grad_out is not None:
-            dq, dkv = _guard.run_backward(
-                ctx.backend, q, tuple(saved), ctx.topk, out, lse, grad_out.contiguous(), ctx.sm_scale, ctx.d_v
-            )
+            dq, dkv = _guard.run_backward(ctx.backend, q, tuple(saved), ctx.prob, out, lse, grad_out.contiguous())
         if ctx.pending_flags is not None:
             # the forward's index / finiteness flags, read only now that the backward's kernels are
             # queued (its forward finished long ago): raises here, before any gradient is returned
             _guard.settle_through(ctx.pending_flags)
             ctx.pending_flags = None  # its closure holds q / kv / indices: not past this backward
-        return dq, dkv, None, None, None, None, None
+        return dq, dkv, None, None, None, None
 
 
 def sparse_mla(
@@ -103,9 +101,9 @@ def sparse_mla(
         check_indices(idx4, prob.seq_len_kv)
     backward_follows = torch.is_grad_enabled() and (q4.requires_grad or kv4.requires_grad)
     if backward_follows:
-        out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, float(sm_scale), prob.d_v, impl, defer)
+        out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, prob, impl, defer)
     else:  # nothing to differentiate: no autograd node (its bookkeeping is host time on every call)
-        out, lse, _, _ = _guard.run_forward(impl, q4, kv4, idx4, float(sm_scale), prob.d_v, defer, False)
+        out, lse, _, _ = _guard.run_forward(impl, q4, kv4, idx4, prob, defer, False)
     if not prob.batched_input:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return out, lse

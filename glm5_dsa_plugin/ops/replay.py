@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from . import backends, reference
+from .contract import problem_of
 
 
 @dataclass
@@ -61,10 +62,11 @@ def replay(dump: dict, device: str | None = None, rtol: float | None = None) -> 
         be = backends.get_backend(name)
         ok, why = be.available()
         if ok and (dev.type == "cuda" or name != "tilelang"):
-            out, lse = be.forward(q, kv, idx, sm_scale, d_v)
+            prob = problem_of(q, kv, idx, sm_scale, d_v)
+            out, lse = be.forward(q, kv, idx, prob)
             results += [compare(f"rerun {name} out", out, r_out, rtol), compare(f"rerun {name} lse", lse, r_lse, rtol)]
             if grad_out is not None:
-                dq, dkv = be.backward(q, kv, idx, out, lse, grad_out.to(dev), sm_scale, d_v)
+                dq, dkv = be.backward(q, kv, idx, out, lse, grad_out.to(dev), prob)
                 results += [compare(f"rerun {name} dq", dq, want["dq"], rtol),
                             compare(f"rerun {name} dkv", dkv, want["dkv"], rtol)]
         else:

@@ -133,13 +133,16 @@ for block in (32, 64):
     want = torch.bincount(((ext + block - 1) // block).flatten().long(), minlength=256 // block + 1)
     assert torch.equal(counts, want.to(torch.int32)) and counts[0] >= 1, (counts, want)
 # the TileLang backend's saved inputs give the caller's (kv, indices) back for the guard's repair
+from glm5_dsa_plugin.ops.contract import Problem
 from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 be = TileLangBackend()
 kv = torch.randn(2, 30, 1, 576, generator=g).bfloat16()
 idx = torch.randint(-1, 30, (2, 7, 1, 100), generator=g, dtype=torch.int32)
-saved = be.save(kv, idx)
+prob = Problem(batch=2, seq_len=7, seq_len_kv=30, heads=16, kv_groups=1, topk=100, d_qk=576, d_v=512,
+               sm_scale=256**-0.5)
+saved = be.save(kv, idx, prob)
 assert saved[1].shape[-1] == 128  # topk padded to a multiple of 64
-kv2, idx2 = be.originals(saved, 100)
+kv2, idx2 = be.originals(saved, prob)
 assert torch.equal(kv2, kv) and torch.equal(idx2, idx)
 print("OK")
 """
@@ -405,6 +408,7 @@ def test_deterministic_chunks_are_whole_waves():
 DETERMINISTIC_CHUNKS = r"""
 import types
 import torch
+from glm5_dsa_plugin.ops.contract import Problem
 from glm5_dsa_plugin.ops.tilelang import bwd_ws
 from glm5_dsa_plugin.ops.tilelang.backend import TileLangBackend
 
@@ -452,8 +456,8 @@ def check(B):
     for rows_fit, expect in ((2, [2, 2, 2, 2, 2, 1]), (4, [3, 3, 3, 2]), (7, [6, 5]), (40, [11])):
         chunks.clear()
         be = TileLangBackend(deterministic=True, slot_buffer_bytes=rows_fit * per_row)
-        dq, dkv, tested = be._backward_deterministic(qp, kv_k, dop, (1, idx, idx, extent), lsep, outp, G, HG, 0.1,
-                                                     512)
+        prob = Problem(B, T, n_kv, Hp, G, K, D, 512, 0.1)
+        dq, dkv, tested = be._backward_deterministic(qp, kv_k, dop, (1, idx, idx, extent), lsep, outp, G, HG, prob)
         assert chunks == expect, (B, rows_fit, chunks)
         assert tested and bool(torch.isfinite(dkv).all()), (B, rows_fit)
         torch.testing.assert_close(dkv.double().view(-1, D), want, rtol=1e-5, atol=1e-5)
@@ -503,8 +507,9 @@ def check_groups(B, R=4):
     for fit, expect in ((1, [1, 1, 1]), (2, [2, 1]), (40, [3])):
         chunks.clear()
         be = TileLangBackend(deterministic=True, slot_buffer_bytes=fit * per_group)
+        prob = Problem(B, T, n_kv, G * hg, G, K, D, 512, 0.1)
         dq, dkv, tested = be._backward_deterministic(qp, kv_k, dop, (R, keys, members, ext), lsep, outp, G, hg,
-                                                     0.1, 512)
+                                                     prob)
         assert chunks == expect, (B, fit, chunks)
         assert tested and bool(torch.isfinite(dkv).all()), (B, fit)
         torch.testing.assert_close(dkv.double().view(-1, D), want, rtol=1e-5, atol=1e-5)

@@ -5,10 +5,16 @@ import torch
 
 from glm5_dsa_plugin.ops import EMPTY_ROW_LSE, sparse_mla
 from glm5_dsa_plugin.ops import reference as ref
+from glm5_dsa_plugin.ops.contract import problem_of
 from glm5_dsa_plugin.ops.workloads import w2_indices
 
 pytestmark = pytest.mark.gpu
 SCALE = 256**-0.5
+
+
+def _prob(q, kv, idx):
+    """The ``contract.Problem`` a backend receives for these batched inputs (d_v 512)."""
+    return problem_of(q, kv, idx, SCALE, 512)
 
 
 def rel_l2(a, b):
@@ -116,11 +122,11 @@ def test_fixes_leave_fully_valid_rows_bitwise_unchanged():
     # the same (single-warpgroup) kernels with the fixes compiled in and out
     safe = TileLangBackend()._with_choices(safe=True, fwd_warp_specialized=False, bwd_warp_specialized=False)
     raw = TileLangBackend()._with_choices(safe=False)
-    o1, l1 = safe.forward(q, kv, idx, SCALE, 512)
-    o2, l2 = raw.forward(q, kv, idx, SCALE, 512)
+    o1, l1 = safe.forward(q, kv, idx, _prob(q, kv, idx))
+    o2, l2 = raw.forward(q, kv, idx, _prob(q, kv, idx))
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
-    dq1, _ = safe.backward(q, kv, idx, o1, l1, g, SCALE, 512)
-    dq2, _ = raw.backward(q, kv, idx, o2, l2, g, SCALE, 512)
+    dq1, _ = safe.backward(q, kv, idx, o1, l1, g, _prob(q, kv, idx))
+    dq2, _ = raw.backward(q, kv, idx, o2, l2, g, _prob(q, kv, idx))
     assert torch.equal(dq1, dq2)  # dkv uses atomics: order-dependent, compared in the other tests
 
 
@@ -251,14 +257,14 @@ def test_backward_keeps_the_callers_indices(H, topk, options, caller):
     idx[0, :, 0, :3] = torch.tensor([T_kv, -5, 2**31 - 1], device="cuda", dtype=torch.int32)  # rejected
     idx[0, 7] = -1
     be = _tilelang(**options)
-    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)
+    out, lse, saved = be.forward_saving(q, kv, idx, _prob(q, kv, idx))
     assert (saved[1].data_ptr() == idx.data_ptr()) == caller
-    dq, dkv = be.backward_saved(q, saved, out, lse, g, SCALE, 512)
+    dq, dkv = be.backward_saved(q, saved, out, lse, g, _prob(q, kv, idx))
     clean = idx.masked_fill(idx >= T_kv, -1).clamp(min=-1)
     r_out, r_lse = ref.forward(q.float(), kv.float(), clean, SCALE, 512)
     r_dq, r_dkv = ref.backward(q.float(), kv.float(), clean, g.float(), SCALE, 512)
     _check((out, lse, dq, dkv), (r_out, r_lse, r_dq, r_dkv), clean)
-    kv_o, idx_o = be.originals(saved, topk)  # what the guard's reference repair reads
+    kv_o, idx_o = be.originals(saved, _prob(q, kv, idx))  # what the guard's reference repair reads
     assert torch.equal(kv_o, kv) and torch.equal(idx_o.masked_fill(idx_o >= T_kv, -1).clamp(min=-1), clean)
 
 
@@ -305,14 +311,14 @@ def test_nonfinite_inputs_come_out_nonfinite(H, options):
     kv[0, int(idx[0, 150, 0, 0]), 0, 5] = 1.0  # so that q[150, 1, 5] = +inf gives a +inf score
     q[0, 150, 1, 5] = float("inf")
     be = _tilelang(**options)
-    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)  # as the op runs it: both directions
-    dq, dkv = be.backward_saved(q, saved, out, lse, grad, SCALE, 512)  # on the same row groups
+    out, lse, saved = be.forward_saving(q, kv, idx, _prob(q, kv, idx))  # as the op runs it: both directions
+    dq, dkv = be.backward_saved(q, saved, out, lse, grad, _prob(q, kv, idx))  # on the same row groups
     r_out, r_lse = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
     r_dq, _ = ref.backward(q.float(), kv.float(), idx, grad.float(), SCALE, 512)
     want = ~torch.isfinite(r_out[0]).all(-1) | ~torch.isfinite(r_lse[0])  # [T, H]
     assert want[40].all() and want[77, H // 2] and want[150, 1] and not want[9].any()
     got = {"out": ~torch.isfinite(out[0]).all(-1), "lse": ~torch.isfinite(lse[0]), "dq": ~torch.isfinite(dq[0]).all(-1)}
-    R = _kernel_lists(saved)[0]  # consecutive rows per block (R > 1: this call ran row groups)
+    R = _kernel_lists(saved, _prob(q, kv, idx))[0]  # consecutive rows per block (R > 1: this call ran row groups)
     spread = want.any(-1).view(T // R, R).any(-1).repeat_interleave(R)[:, None] if R > 1 else want
     for name, bad in got.items():
         assert (bad | ~want).all(), f"{name}: finite where the reference is not: {(want & ~bad).nonzero().tolist()[:5]}"
@@ -345,8 +351,8 @@ def test_backward_flags_exactly_its_nonfinite_outputs(H, options, case):
         grad[0, 200, H - 1, 3] = float("nan")
     be = _tilelang(**options)
     flags = torch.zeros(1, dtype=torch.int32, device="cuda")
-    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)
-    dq, dkv = be.backward_saved(q, saved, out, lse, grad, SCALE, 512, nonfinite_flag=flags)
+    out, lse, saved = be.forward_saving(q, kv, idx, _prob(q, kv, idx))
+    dq, dkv = be.backward_saved(q, saved, out, lse, grad, _prob(q, kv, idx), nonfinite_flag=flags)
     fwd_bad = not (torch.isfinite(out).all() and torch.isfinite(lse).all())
     bwd_bad = not (torch.isfinite(dq).all() and torch.isfinite(dkv).all())
     assert (fwd_bad, bwd_bad) == {"clean": (False, False), "inf_value": (True, True),
@@ -406,10 +412,11 @@ def test_forward_check_flags_what_a_full_scan_does_and_the_rows_it_cannot_vouch_
         planted[case]()
     be = _tilelang(**options)
     flags = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
-    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512, kv_flag=flags[Flag.KV_SUSPECT:Flag.KV_SUSPECT + 1])
+    out, lse, saved = be.forward_saving(q, kv, idx, _prob(q, kv, idx),
+                                        kv_flag=flags[Flag.KV_SUSPECT:Flag.KV_SUSPECT + 1])
     full = torch.zeros(FLAG_SLOTS, dtype=torch.int32, device="cuda")
     flag_nonfinite(out, full, Flag.NONFINITE, lse)
-    bound, extent = be.finite_out_lse_bound(SCALE, idx.shape[-1]), be.row_extent(saved)
+    bound, extent = be.finite_out_lse_bound(_prob(q, kv, idx)), be.row_extent(saved)
     has_slot = extent.repeat_interleave(H, -1) > 0
     doubtful = ((lse.abs() > bound) & (lse != EMPTY_ROW_LSE)) | ((lse == EMPTY_ROW_LSE) & has_slot)
     before = lse.clone()
@@ -498,7 +505,7 @@ def test_rows_far_below_any_finite_max_start_are_exact_in_the_kernels(H, options
     idx[0, (77, 100), :, :64] = -1
     idx[0, 101, :, :128] = -1
     idx[0, 9] = -1
-    out, lse, _ = _tilelang(**options).forward_saving(q, kv, idx, SCALE, 512)
+    out, lse, _ = _tilelang(**options).forward_saving(q, kv, idx, _prob(q, kv, idx))
     r_out, r_lse = ref.forward(q.double(), kv.double(), idx, SCALE, 512)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     for row in far:
@@ -566,8 +573,8 @@ def test_device_side_backward_repair(tmp_path, H):
         name = "tilelang_nan_rows"
         reports_nonfinite = False  # poisoned after the kernels: the guard scans
 
-        def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v, nonfinite_flag=None):
-            dq, dkv = super().backward_saved(q, saved, out, lse, grad_out, sm_scale, d_v)
+        def backward_saved(self, q, saved, out, lse, grad_out, prob, nonfinite_flag=None):
+            dq, dkv = super().backward_saved(q, saved, out, lse, grad_out, prob)
             # bad rows: random values (far from the reference) with one NaN in head / channel 0,
             # so an entry the repair misses cannot pass for a repaired one
             dq[:, bad_q] = torch.randn_like(dq[:, bad_q])
@@ -701,11 +708,11 @@ def test_device_side_forward_repair(tmp_path, H):
 
     class NaNRows(TileLangBackend):
         name = "tilelang_nan_fwd_rows"
-        def finite_out_lse_bound(self, sm_scale, topk):
+        def finite_out_lse_bound(self, prob):
             return None  # NaN written into out after the kernels, lse left usual: the guard scans out
 
-        def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None):
-            out, lse, saved = super().forward_saving(q, kv, indices, sm_scale, d_v, index_flag)
+        def forward_saving(self, q, kv, indices, prob, index_flag=None):
+            out, lse, saved = super().forward_saving(q, kv, indices, prob, index_flag)
             out[:, bad_out] = torch.randn_like(out[:, bad_out])
             out[:, bad_out, 0, 0] = float("nan")
             lse[:, bad_lse, -1] = float("inf")
@@ -793,11 +800,11 @@ def test_forward_plan_auto_for_64_row_tiles():
     idx = w2_indices(T, topk, gen)[None]
     # (the plan of the classic forward)
     be = TileLangBackend()._with_choices(fwd_buckets_64="auto", fwd_warp_specialized=False)
-    o1, l1 = be.forward(q, kv, idx, SCALE, 512)
+    o1, l1 = be.forward(q, kv, idx, _prob(q, kv, idx))
     torch.cuda.synchronize()
     (last,) = be._block_counts.values()
     assert last.choose(topk // 64) == AUTO_BUCKETS_64
-    o2, l2 = be.forward(q, kv, idx, SCALE, 512)
+    o2, l2 = be.forward(q, kv, idx, _prob(q, kv, idx))
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     r_out, r_lse = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
     assert rel_l2(o2, r_out) <= 3e-3
@@ -826,9 +833,9 @@ def test_row_groups_auto_follows_key_sharing():
         r_out, _ = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
         r_dq, r_dkv = ref.backward(q.float(), kv.float(), idx, g.float(), SCALE, 512)
         for call in range(2):
-            out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)
+            out, lse, saved = be.forward_saving(q, kv, idx, _prob(q, kv, idx))
             assert (len(saved) > 3) == (want_groups or call == 0), (T_kv, call)  # the first call: groups
-            dq, dkv = be.backward_saved(q, saved, out, lse, g, SCALE, 512)
+            dq, dkv = be.backward_saved(q, saved, out, lse, g, _prob(q, kv, idx))
             assert rel_l2(out, r_out) <= 3e-3 and rel_l2(dq, r_dq) <= 3e-3 and rel_l2(dkv, r_dkv) <= 3e-3
             torch.cuda.synchronize()  # the counts arrive
 
@@ -873,16 +880,16 @@ def test_row_groups_count_repeated_keys_per_slot(H):
     kv = torch.randn(1, T_kv, 1, 576, generator=gen, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(1, T, H, 512, generator=gen, device="cuda", dtype=torch.bfloat16)
     be = TileLangBackend(row_groups=True)
-    out, lse, saved = be.forward_saving(q, kv, idx, SCALE, 512)
+    out, lse, saved = be.forward_saving(q, kv, idx, _prob(q, kv, idx))
     assert len(saved) == 6  # ran row groups
-    dq, dkv = be.backward_saved(q, saved, out, lse, g, SCALE, 512)
+    dq, dkv = be.backward_saved(q, saved, out, lse, g, _prob(q, kv, idx))
     r_out, r_lse = ref.forward(q.float(), kv.float(), idx, SCALE, 512)
     r_dq, r_dkv = ref.backward(q.float(), kv.float(), idx, g.float(), SCALE, 512)
     _check((out, lse, dq, dkv), (r_out, r_lse, r_dq, r_dkv), idx)
     # the repeats' entries are appended by atomics in any order and then sorted: the forward (and
     # so dq, which sums the entries in list order) is bitwise the same from call to call
     for _ in range(3):
-        out2, lse2, saved2 = be.forward_saving(q, kv, idx, SCALE, 512)
+        out2, lse2, saved2 = be.forward_saving(q, kv, idx, _prob(q, kv, idx))
         assert torch.equal(saved2[3], saved[3]) and torch.equal(saved2[4], saved[4])
         assert torch.equal(out2, out) and torch.equal(lse2, lse)
 

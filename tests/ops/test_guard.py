@@ -16,7 +16,7 @@ from glm5_dsa_plugin.ops.guard import slots as guard_slots
 from glm5_dsa_plugin.ops.guard.slots import Flag
 from glm5_dsa_plugin.ops import reference as ref
 from glm5_dsa_plugin.ops.backends import ReferenceBackend, unregister_backend
-from glm5_dsa_plugin.ops.contract import index_violation_flag
+from glm5_dsa_plugin.ops.contract import index_violation_flag, problem_of
 from sparse_mla_cases import make_indices
 
 NAN = float("nan")
@@ -30,14 +30,14 @@ class FaultyBackend(ReferenceBackend):
     dq_rows: list = []
     dkv_rows: list = []
 
-    def forward(self, q, kv, indices, sm_scale, d_v):
-        out, lse = super().forward(q, kv, indices, sm_scale, d_v)
+    def forward(self, q, kv, indices, prob):
+        out, lse = super().forward(q, kv, indices, prob)
         for b, t in self.fwd_rows:
             out[b, t, 0, 0] = NAN
         return out, lse
 
-    def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
-        dq, dkv = super().backward(q, kv, indices, out, lse, grad_out, sm_scale, d_v)
+    def backward(self, q, kv, indices, out, lse, grad_out, prob):
+        dq, dkv = super().backward(q, kv, indices, out, lse, grad_out, prob)
         for b, t in self.dq_rows:
             dq[b, t, -1, 3] = NAN
         for b, s in self.dkv_rows:
@@ -226,11 +226,11 @@ class IndexSafeReference(ReferenceBackend):
     memory_safe_on_any_index = True
     forward_calls = 0
 
-    def forward(self, q, kv, indices, sm_scale, d_v, index_flag):
+    def forward(self, q, kv, indices, prob, index_flag):
         type(self).forward_calls += 1
         index_flag += index_violation_flag(indices, kv.shape[1])
         clean = indices.masked_fill((indices < -1) | (indices >= kv.shape[1]), -1)
-        return super().forward(q, kv, clean, sm_scale, d_v)
+        return super().forward(q, kv, clean, prob)
 
 
 @pytest.mark.parametrize("policy", ["fallback", "off"])
@@ -277,17 +277,17 @@ class SavingFaultyBackend(FaultyBackend):
     reports_nonfinite = True
     flag_calls = 0
 
-    def forward_saving(self, q, kv, indices, sm_scale, d_v):
-        out, lse = self.forward(q, kv, indices, sm_scale, d_v)
+    def forward_saving(self, q, kv, indices, prob):
+        out, lse = self.forward(q, kv, indices, prob)
         n_kv = kv.shape[1]
         return out, lse, (kv.detach().clone(), torch.where(indices < 0, n_kv, indices))
 
-    def originals(self, saved, topk):
+    def originals(self, saved, prob):
         kv, idx = saved
-        return kv, torch.where(idx == kv.shape[1], -1, idx)[..., :topk]
+        return kv, torch.where(idx == prob.seq_len_kv, -1, idx)[..., :prob.topk]
 
-    def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v, nonfinite_flag=None):
-        dq, dkv = self.backward(q, *self.originals(saved, saved[1].shape[-1]), out, lse, grad_out, sm_scale, d_v)
+    def backward_saved(self, q, saved, out, lse, grad_out, prob, nonfinite_flag=None):
+        dq, dkv = self.backward(q, *self.originals(saved, prob), out, lse, grad_out, prob)
         if nonfinite_flag is not None:
             type(self).flag_calls += 1
             nonfinite_flag += int(not (torch.isfinite(dq).all() and torch.isfinite(dkv).all()))
@@ -332,18 +332,18 @@ class BoundedFaultyBackend(SavingFaultyBackend):
     emptied_rows: list = []
     kv_flag_passed: list = []
 
-    def finite_out_lse_bound(self, sm_scale, topk):
+    def finite_out_lse_bound(self, prob):
         return 50.0
 
     def row_extent(self, saved):
         kv, idx = saved
         return ((idx >= 0) & (idx < kv.shape[1])).any(-1).to(torch.int32)
 
-    def forward_saving(self, q, kv, indices, sm_scale, d_v, kv_flag=None):
+    def forward_saving(self, q, kv, indices, prob, kv_flag=None):
         type(self).kv_flag_passed.append(kv_flag is not None)
         if kv_flag is not None:
             kv_flag += int(not torch.isfinite(kv).all())
-        out, lse, saved = super().forward_saving(q, kv, indices, sm_scale, d_v)
+        out, lse, saved = super().forward_saving(q, kv, indices, prob)
         for b, t in self.unusual_lse_rows:
             lse[b, t] = 1e6
         for b, t in self.emptied_rows:
@@ -427,7 +427,7 @@ def test_deferred_backward_flags_are_settled_in_order(faulty, monkeypatch):
     monkeypatch.setattr(guard_pending, "queue", pending)
     faulty.dq_rows = [(0, 1)]
     q, kv, idx, g = _inputs()
-    args = (faulty, q.detach(), (kv.detach(), idx), idx.shape[-1], g, 0.4, 8)
+    args = (faulty, q.detach(), (kv.detach(), idx), problem_of(q, kv, idx, 0.4, 8), g)
     call = lambda values: guard_run._settle_backward_event(values, args)  # noqa: E731
 
     def flags(nonfinite, still=0, rows=0, kv_rows=0):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from glm5_dsa_plugin.ops import EMPTY_ROW_LSE, SparseMLAInputError, sparse_mla
 from glm5_dsa_plugin.ops import reference as ref
+from glm5_dsa_plugin.ops.contract import problem_of
 from sparse_mla_cases import dense_sparse_mla, make_indices
 
 
@@ -275,13 +276,14 @@ def test_backend_base_class_defaults_and_registry_type_check(no_deterministic_ba
 
     be = get_backend(no_deterministic_backend)
     assert not be.memory_safe_on_any_index and not be.reports_nonfinite
-    assert be.finite_out_lse_bound(0.3, 4) is None
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 5, 2, 12, generator=gen, dtype=torch.float64, requires_grad=True)
     kv = torch.randn(1, 7, 1, 12, generator=gen, dtype=torch.float64, requires_grad=True)
     idx = torch.randint(-1, 7, (1, 5, 1, 3), generator=gen, dtype=torch.int32)
-    out, lse, saved = be.forward_saving(q, kv, idx, 0.3, 8)
-    assert saved[0] is kv and saved[1] is idx and be.originals(saved, 3) == (kv, idx)
+    prob = problem_of(q, kv, idx, 0.3, 8)
+    assert be.finite_out_lse_bound(prob) is None
+    out, lse, saved = be.forward_saving(q, kv, idx, prob)
+    assert saved[0] is kv and saved[1] is idx and be.originals(saved, prob) == (kv, idx)
     g = torch.randn(1, 5, 2, 8, generator=gen, dtype=torch.float64)
     out, _ = sparse_mla(q, kv, idx, 0.3, d_v=8, backend=no_deterministic_backend)
     dq, dkv = torch.autograd.grad(out, (q, kv), g)

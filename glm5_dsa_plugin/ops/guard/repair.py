@@ -19,8 +19,10 @@ from . import events
 from .checks import all_finite, bad_rows
 
 
-def repair_forward(backend, q, kv, indices, sm_scale, d_v, out, lse, stacklevel: int):
-    """-> (out, lse) with the nonfinite rows recomputed (copies when there are any)."""
+def repair_forward(backend, q, kv, indices, prob, out, lse, stacklevel: int):
+    """-> (out, lse) with the nonfinite rows recomputed (copies when there are any); ``prob``:
+    the call's ``contract.Problem``."""
+    sm_scale, d_v = prob.sm_scale, prob.d_v
     rows = (bad_rows(out) | bad_rows(lse)).nonzero()
     if rows.shape[0] == 0:
         return out, lse
@@ -39,9 +41,10 @@ def repair_forward(backend, q, kv, indices, sm_scale, d_v, out, lse, stacklevel:
     return out, lse
 
 
-def repair_backward(backend, q, kv, indices, grad_out, sm_scale, d_v, dq, dkv, stacklevel: int):
+def repair_backward(backend, q, kv, indices, grad_out, prob, dq, dkv, stacklevel: int):
     """-> (dq, dkv) with the nonfinite dq rows and dkv rows recomputed (copies when there are any);
-    ``kv`` and ``indices`` as the caller passed them."""
+    ``kv`` and ``indices`` as the caller passed them, ``prob`` the call's ``contract.Problem``."""
+    sm_scale, d_v = prob.sm_scale, prob.d_v
     bad_q = bad_rows(dq)  # [B, T]
     bad_kv = bad_rows(dkv)  # [B, T_kv]
     # query rows that selected any bad kv row (in any group) contribute to it

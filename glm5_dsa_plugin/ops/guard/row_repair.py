@@ -341,7 +341,7 @@ def repair_backward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     grid, strides, consts = _query_row_launch(q, kv, indices, d_v, precision, slots_per_step, rows_per_program,
                                               bf16 is not False and _bf16_dots(q, kv, grad_out))
     _repair_query_rows[grid](q, kv, indices, grad_out, dq, bad_kv, bad_q, acc, flags, B * T, T, T_kv, H, HG, G, K,
-                             float(sm_scale), *strides, **consts, num_warps=num_warps)
+                             sm_scale, *strides, **consts, num_warps=num_warps)
     _write_bad_kv_rows[(n_kv_rows,)](dkv, bad_kv, acc, flags, row_elems, BLOCK=block)
 
 
@@ -417,5 +417,5 @@ def repair_forward_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     _mark_bad_out_rows[(B * T,)](out, lse, bad_q, flags, O_ROW=H * d_v, L_ROW=H, BLOCK=1024)
     grid, strides, consts = _query_row_launch(q, kv, indices, d_v, precision, slots_per_step, rows_per_program,
                                               _bf16_dots(q, kv))
-    _repair_forward_rows[grid](q, kv, indices, out, lse, bad_q, flags, B * T, T, T_kv, H, HG, K, float(sm_scale),
+    _repair_forward_rows[grid](q, kv, indices, out, lse, bad_q, flags, B * T, T, T_kv, H, HG, K, sm_scale,
                                *strides, **consts, EMPTY_LSE=EMPTY_ROW_LSE, num_warps=num_warps)

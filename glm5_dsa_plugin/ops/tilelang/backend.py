@@ -9,7 +9,7 @@ import functools
 import torch
 
 from ..backend_base import Backend
-from ..contract import SparseMLAInputError
+from ..contract import Problem, SparseMLAInputError
 from ..row_groups import group_keys
 from .passes import finish_backward, prepare_indices
 from .plan import (BWD_MIN_HEADS, FWD_MIN_HEADS, BlockCountsOfLastCall, RowGroupChoice, forward_launches, pad_heads,
@@ -39,7 +39,7 @@ def _device_status(index: int) -> tuple[bool, str]:
     return True, f"{_import_status()[1]} on {torch.cuda.get_device_name(index)} (sm_{cap[0]}{cap[1]})"
 
 
-def _kernel_lists(saved: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _kernel_lists(saved: tuple, prob: Problem) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(R, keys, members, extent) the kernels read, from a forward's ``saved``: the row groups'
     lists when it ran them (R = their width / the padded topk), else the one-row indices
     (members not read)."""
@@ -47,7 +47,7 @@ def _kernel_lists(saved: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.
     if len(saved) == 3:
         return 1, idx, idx, extent
     keys, members, group_extent = saved[3:]
-    return keys.shape[-1] // padded_topk(idx.shape[-1]), keys, members, group_extent
+    return keys.shape[-1] // padded_topk(prob.topk), keys, members, group_extent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,7 @@ class TileLangBackend(Backend):
         """True when no index value can make the kernels touch memory out of bounds (``safe`` mode)."""
         return self._choices.safe
 
-    def finite_out_lse_bound(self, sm_scale: float, topk: int) -> float | None:
+    def finite_out_lse_bound(self, prob: Problem) -> float | None:
         """For the guard's forward check (``guard.device_checks.check_forward``): a bound B such that a
         row whose lse is finite with |lse| <= B is finite and exact (to the kernels' rounding)
         when ``forward_saving(..., kv_flag=f)`` left ``f`` clear, and so is a row that came out
@@ -166,9 +166,9 @@ class TileLangBackend(Backend):
         sm_scale, 2^26). A row whose scores all lie far below zero comes out right, with
         |lse| > B, and the guard still recomputes it. The GPU tests compare the check with a full
         scan over poisoned and extreme q and kv."""
-        if not self._choices.safe or topk >= 2**20:
+        if not self._choices.safe or prob.topk >= 2**20:
             return None
-        return min(2.0**29 * float(sm_scale), 2.0**26)
+        return min(2.0**29 * prob.sm_scale, 2.0**26)
 
     def row_extent(self, saved) -> torch.Tensor:
         """int32 [B, T, G] from :meth:`forward_saving`'s ``saved``: 1 + the last valid slot of each
@@ -184,14 +184,14 @@ class TileLangBackend(Backend):
             return False, "no CUDA device"
         return _device_status(torch.cuda.current_device())
 
-    def _check(self, q, kv, d_v):
+    def _check(self, q, prob: Problem):
         if q.dtype != torch.bfloat16:
             raise SparseMLAInputError(f"sparse_mla backend 'tilelang' needs bf16 q/kv, got {q.dtype}")
         if not q.is_cuda:
             raise SparseMLAInputError(f"sparse_mla backend 'tilelang' needs CUDA tensors, got {q.device}")
-        check_split(d_v, q.shape[-1] - d_v)
+        check_split(prob.d_v, prob.d_tail)
 
-    def save(self, kv, indices, index_flag=None, block_counts=None,
+    def save(self, kv, indices, prob: Problem, index_flag=None, block_counts=None,
              block=64, rewrite=True, kv_flag=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prepared inputs both kernels read, built once per call (forward) and kept for the
         backward in place of (kv, indices): (kv with the zero sentinel row [B, T_kv + 1, G, Dqk],
@@ -202,9 +202,9 @@ class TileLangBackend(Backend):
         read them as they are, ``_kernels_read_caller_indices``). ``kv_flag`` (int32 [1]): see
         :meth:`finite_out_lse_bound`.
         With ``safe=False`` (fix-cost measurement only): raw kv, -1 padding, full extent."""
-        k_pad = padded_topk(indices.shape[-1])
+        k_pad = padded_topk(prob.topk)
         if self._choices.safe:
-            idx, extent, kv_k = prepare_indices(indices, kv.shape[1], k_pad, index_flag, kv=kv,
+            idx, extent, kv_k = prepare_indices(indices, prob.seq_len_kv, k_pad, index_flag, kv=kv,
                                                 block_counts=block_counts, block=block, rewrite=rewrite,
                                                 kv_flag=kv_flag)
             return kv_k, idx, extent
@@ -213,25 +213,25 @@ class TileLangBackend(Backend):
         idx = pad_topk(indices, BLOCK_TOPK)
         return kv.contiguous(), idx, torch.full(idx.shape[:-1], k_pad, dtype=torch.int32, device=idx.device)
 
-    def originals(self, saved, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def originals(self, saved, prob: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, indices) back from :meth:`save`'s tensors (the guard's reference repair); slots the
         rewrite sent to the sentinel read as -1 (the same as the kernels treat them)."""
-        kv, idx = self.padded_views(saved, topk)
-        return (kv, torch.where(idx == kv.shape[1], -1, idx)) if self._choices.safe else (kv, idx)
+        kv, idx = self.padded_views(saved, prob)
+        return (kv, torch.where(idx == prob.seq_len_kv, -1, idx)) if self._choices.safe else (kv, idx)
 
-    def padded_views(self, saved, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def padded_views(self, saved, prob: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, indices) as views of :meth:`save`'s tensors, no copy and no launch: a slot is valid
         iff 0 <= index < T_kv (the rewrite's sentinel T_kv reads as padding, like -1). What the
         guard's device-side repair reads (``row_repair``)."""
         kv_k, idx = saved[:2]
         if not self._choices.safe:
-            return kv_k, idx[..., :topk]
-        return kv_k[:, : kv_k.shape[1] - 1], idx[..., :topk]
+            return kv_k, idx[..., : prob.topk]
+        return kv_k[:, : prob.seq_len_kv], idx[..., : prob.topk]
 
-    def _geometry(self, q, kv, minimum):
-        H, G = q.shape[2], kv.shape[2]
-        hg = H // G
-        return G, hg, padded_heads_per_group(hg, minimum)
+    def _geometry(self, prob: Problem, minimum):
+        """(kv groups, heads per group, heads per group padded to the kernels' ``minimum``)."""
+        hg = prob.heads_per_group
+        return prob.kv_groups, hg, padded_heads_per_group(hg, minimum)
 
     def rows_per_block(self, hg: int) -> tuple[int, int]:
         """(padded heads per group, R) of the row-group kernels: R > 1 consecutive query rows share a
@@ -243,23 +243,25 @@ class TileLangBackend(Backend):
         hg_pad = padded_heads_per_group(hg, 8)
         return hg_pad, 64 // hg_pad
 
-    def _choose_row_groups(self, indices) -> tuple[bool, RowGroupChoice | None]:
-        """-> (run row groups in this call, the choice to record counts into or None)."""
-        if self.row_groups is True or indices.shape[1] == 0:
+    def _choose_row_groups(self, prob: Problem) -> tuple[bool, RowGroupChoice | None]:
+        """-> (run row groups in this call, the choice to record counts into or None), per
+        indices shape [B, T, G, topk]."""
+        if self.row_groups is True or prob.seq_len == 0:
             return True, None
-        choice = self._row_group_choice.get(tuple(indices.shape))
+        shape = (prob.batch, prob.seq_len, prob.kv_groups, prob.topk)
+        choice = self._row_group_choice.get(shape)
         if torch.cuda.is_current_stream_capturing():  # no event queries or host copies there
             return (choice.use if choice is not None else True), None
         if choice is None:
-            choice = self._row_group_choice[tuple(indices.shape)] = RowGroupChoice()
+            choice = self._row_group_choice[shape] = RowGroupChoice()
         use, count = choice.choose()
         return use, choice if count else None
 
-    def forward(self, q, kv, indices, sm_scale, d_v, index_flag=None):
+    def forward(self, q, kv, indices, prob: Problem, index_flag=None):
         """As the Backend protocol; ``index_flag`` (int32 [1], device): set to nonzero when some
         index breaks the rule (the kernels are memory-safe for any index, so the caller reads
         it after the call)."""
-        return self.forward_saving(q, kv, indices, sm_scale, d_v, index_flag)[:2]
+        return self.forward_saving(q, kv, indices, prob, index_flag)[:2]
 
     def _ws_backward_flag(self, device, nonfinite_flag=None) -> torch.Tensor:
         """The int32 [1] the warp-specialised backward sets when dq holds NaN / inf: the caller's
@@ -271,7 +273,7 @@ class TileLangBackend(Backend):
             flags = self._scratch_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return flags
 
-    def forward_saving(self, q, kv, indices, sm_scale, d_v, index_flag=None, kv_flag=None):
+    def forward_saving(self, q, kv, indices, prob: Problem, index_flag=None, kv_flag=None):
         """-> (out, lse, saved): ``saved`` is what :meth:`backward_saved` needs: :meth:`save`'s three
         tensors, then (keys, members, extent) of ``group_keys`` when this call ran row groups. The
         rewritten indices give way to the caller's ``indices`` where the backward can read those
@@ -279,35 +281,38 @@ class TileLangBackend(Backend):
         index-sized tensor per call (1 GB per layer at T = 128K, topk 2048); where the
         warp-specialised forward reads them too (one row per block), no rewritten copy is made
         at all. ``kv_flag`` (int32 [1], device): see :meth:`finite_out_lse_bound`."""
-        self._check(q, kv, d_v)
-        G, hg = kv.shape[2], q.shape[2] // kv.shape[2]
+        self._check(q, prob)
+        G, hg = prob.kv_groups, prob.heads_per_group
         group_heads, group_rows = self.rows_per_block(hg)
-        use_groups, count_into = self._choose_row_groups(indices) if group_rows > 1 else (False, None)
+        use_groups, count_into = self._choose_row_groups(prob) if group_rows > 1 else (False, None)
         hg_pad = group_heads if use_groups else padded_heads_per_group(hg, self._choices.fwd_min_heads)
         block = self._fwd_block(hg_pad)
-        n_blocks = padded_topk(indices.shape[-1]) // block
+        k_pad = padded_topk(prob.topk)
+        n_blocks = k_pad // block
         ws = self._warp_specialized(hg_pad, use_groups)
         buckets_64, counts, last = self._plan_64(indices, hg_pad, n_blocks, q.device)
-        caller_ok = self._kernels_read_caller_indices(indices, use_groups)
+        caller_ok = self._kernels_read_caller_indices(indices, prob, use_groups)
         # the one-row warp-specialised forward reads them too: no rewritten copy at all (>= 64 heads
         # per group, where no row-group lists are built from rewritten indices)
-        saved = self.save(kv, indices, index_flag, block_counts=counts, block=block,
+        saved = self.save(kv, indices, prob, index_flag, block_counts=counts, block=block,
                           rewrite=not (caller_ok and ws and not use_groups), kv_flag=kv_flag)
         if use_groups or count_into is not None:  # (counting builds the lists in one-row calls too)
-            lists = group_keys(saved[1], kv.shape[1], group_rows)
+            lists = group_keys(saved[1], prob.seq_len_kv, group_rows)
             if count_into is not None:  # group entries vs the slots one-row blocks run
                 count_into.record(torch.stack([lists[2].sum(dtype=torch.int64), saved[2].sum(dtype=torch.int64)]))
             if use_groups:
                 saved = saved + lists
-        kv_k, idx = saved[:2]
-        R, keys, members, ext = _kernel_lists(saved)
+        kv_k = saved[0]
+        R, keys, members, ext = _kernel_lists(saved, prob)
         qp = pad_heads(q, G, hg, hg_pad)
-        B, T, Hp, Dqk = qp.shape
-        out = torch.empty(B, T, Hp, d_v, dtype=q.dtype, device=q.device)
+        B, T, Hp = prob.batch, prob.seq_len, G * hg_pad
+        out = torch.empty(B, T, Hp, prob.d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, Hp, dtype=torch.float32, device=q.device)
         if T > 0:
-            for kernel in self.forward_kernels(Hp, d_v, Dqk - d_v, idx.shape[-1], G, sm_scale, hg_pad, buckets_64,
-                                               rows_per_block=R, warp_specialized=ws):
+            # (the kernels read the padded width k_pad: saved[1] is k_pad wide, or the caller's
+            # indices when topk is already a multiple of the block)
+            for kernel in self.forward_kernels(Hp, prob.d_v, prob.d_tail, k_pad, G, prob.sm_scale, hg_pad,
+                                               buckets_64, rows_per_block=R, warp_specialized=ws):
                 kernel(qp, kv_k, keys, ext, members, out, lse)
         if last is not None:
             last.record(counts)
@@ -315,7 +320,7 @@ class TileLangBackend(Backend):
             saved = (saved[0], indices, *saved[2:])
         return unpad_heads(out, G, hg, hg_pad), unpad_heads(lse, G, hg, hg_pad), saved
 
-    def _kernels_read_caller_indices(self, indices, row_groups: bool) -> bool:
+    def _kernels_read_caller_indices(self, indices, prob: Problem, row_groups: bool) -> bool:
         """Whether the backward (and the warp-specialised forward) may read the caller's indices
         instead of rewritten ones: those kernels map every slot outside [0, T_kv) to the sentinel
         row themselves and mask it (the gathers, the scores, the dKV atomics; ``valid_slot``
@@ -324,7 +329,7 @@ class TileLangBackend(Backend):
         width), the deterministic backward (its per-key sums need the sentinel) or
         ``safe=False``; and only int32 contiguous indices (what the kernels take)."""
         return (self._choices.safe and not self.deterministic and indices.dtype == torch.int32
-                and indices.is_contiguous() and (row_groups or indices.shape[-1] == padded_topk(indices.shape[-1])))
+                and indices.is_contiguous() and (row_groups or prob.topk == padded_topk(prob.topk)))
 
     def _warp_specialized(self, hg_pad: int, row_groups: bool, backward: bool = False) -> bool:
         """Whether this direction runs its warp-specialised kernel (``sparse_mla_fwd_ws_kernel`` /
@@ -354,10 +359,10 @@ class TileLangBackend(Backend):
 
         to = {} if target is None else {"target": target}
         if warp_specialized:
-            return [sparse_mla_fwd_ws_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), rows_per_block=rows_per_block,
+            return [sparse_mla_fwd_ws_kernel(Hp, d_v, d_tail, k_pad, G, sm_scale, rows_per_block=rows_per_block,
                                              **to)]
         if rows_per_block > 1:
-            return [sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self._choices.safe, num_stages=1,
+            return [sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, sm_scale, self._choices.safe, num_stages=1,
                                           select_in_kernel=self._choices.fwd_select_in_kernel,
                                           rows_per_block=rows_per_block, **to)]
         small = hg_pad == 16
@@ -367,13 +372,13 @@ class TileLangBackend(Backend):
 
         def build(launch):
             lo, hi, stages = launch
-            return sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, float(sm_scale), self._choices.safe,
+            return sparse_mla_fwd_kernel(Hp, d_v, d_tail, k_pad, G, sm_scale, self._choices.safe,
                                          block_i=block, num_stages=stages,
                                          threads=self._choices.fwd_threads_16 if small else 256,
                                          select_in_kernel=self._choices.fwd_select_in_kernel,
                                          blocks=None if (lo, hi) == (0, n_blocks) else (lo, hi), **to)
 
-        key = (Hp, d_v, d_tail, k_pad, G, float(sm_scale), hg_pad, buckets_64, target)
+        key = (Hp, d_v, d_tail, k_pad, G, sm_scale, hg_pad, buckets_64, target)
         if len(plan) > 1 and key not in self._built_plans:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -402,21 +407,21 @@ class TileLangBackend(Backend):
             last = self._block_counts[key] = BlockCountsOfLastCall(n_blocks + 1)
         return last.choose(n_blocks), torch.zeros(n_blocks + 1, dtype=torch.int32, device=device), last
 
-    def backward(self, q, kv, indices, out, lse, grad_out, sm_scale, d_v):
-        return self.backward_saved(q, self.save(kv, indices), out, lse, grad_out, sm_scale, d_v)
+    def backward(self, q, kv, indices, out, lse, grad_out, prob: Problem):
+        return self.backward_saved(q, self.save(kv, indices, prob), out, lse, grad_out, prob)
 
-    def backward_saved(self, q, saved, out, lse, grad_out, sm_scale, d_v, nonfinite_flag=None):
+    def backward_saved(self, q, saved, out, lse, grad_out, prob: Problem, nonfinite_flag=None):
         """-> (dq, dkv) from :meth:`save`'s tensors; ``nonfinite_flag`` (int32 [1], device) becomes
         nonzero when dq or dkv holds NaN/inf (dq tested in the warp-specialised kernel's registers,
         else in the dKV conversion pass with dkv; no extra launch)."""
         from .bwd import sparse_mla_bwd_kernel
         from .bwd_ws import sparse_mla_bwd_ws_kernel
 
-        self._check(q, saved[0], d_v)
-        kv_k, idx, extent = saved[:3]
-        n_kv = kv_k.shape[1] - 1 if self._choices.safe else kv_k.shape[1]
-        R, keys, members, ext = _kernel_lists(saved)
-        G, hg, hg_pad = self._geometry(q, kv_k, BWD_MIN_HEADS)
+        self._check(q, prob)
+        kv_k = saved[0]  # [B, T_kv + 1, G, Dqk] with the sentinel row (safe mode), else [B, T_kv, G, Dqk]
+        n_kv, d_v = prob.seq_len_kv, prob.d_v
+        R, keys, members, ext = _kernel_lists(saved, prob)
+        G, hg, hg_pad = self._geometry(prob, BWD_MIN_HEADS)
         if R > 1:  # the forward ran row groups: R rows of 64 / R (padded) heads per block
             hg_pad = 64 // R
         if hg == hg_pad:  # (the common case: no padding ops on the host path)
@@ -424,18 +429,18 @@ class TileLangBackend(Backend):
         else:
             qp, dop, outp = (pad_heads(x, G, hg, hg_pad) for x in (q, grad_out, out))
             lsep = pad_heads(lse.unsqueeze(-1), G, hg, hg_pad).squeeze(-1).contiguous()
-        B, T, Hp, Dqk = qp.shape
+        T, Hp = prob.seq_len, G * hg_pad
         dq_checked = False  # whether the kernel tested dq itself (the warp-specialised one)
         if self.deterministic:
             dq, dkv, dq_checked = self._backward_deterministic(qp, kv_k, dop, (R, keys, members, ext), lsep, outp,
-                                                               G, hg_pad, sm_scale, d_v, nonfinite_flag)
+                                                               G, hg_pad, prob, nonfinite_flag)
         else:
-            k_pad = padded_topk(idx.shape[-1])  # (the caller's indices may be unpadded: row groups)
+            k_pad = padded_topk(prob.topk)  # (the caller's indices may be unpadded: row groups)
             ws = self._warp_specialized(hg_pad, R > 1, backward=True)
             if ws:
-                kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), rows_per_block=R)
+                kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, prob.d_tail, k_pad, G, prob.sm_scale, rows_per_block=R)
             else:
-                kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, k_pad, G, float(sm_scale), self._choices.safe,
+                kernel = sparse_mla_bwd_kernel(Hp, d_v, prob.d_tail, k_pad, G, prob.sm_scale, self._choices.safe,
                                                **({"rows_per_block": R} if R > 1 else {}))
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
@@ -446,7 +451,7 @@ class TileLangBackend(Backend):
         dq = unpad_heads(dq, G, hg, hg_pad)
         return dq, finish_backward(dkv, n_kv, kv_k.dtype, None if dq_checked else dq, nonfinite_flag)
 
-    def _backward_deterministic(self, qp, kv_k, dop, lists, lsep, outp, G, hg_pad, sm_scale, d_v,
+    def _backward_deterministic(self, qp, kv_k, dop, lists, lsep, outp, G, hg_pad, prob: Problem,
                                 nonfinite_flag=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """dq as usual (no atomics); dkv from per-slot contributions summed per kv row by
         ``segment_sum_rows`` in slot order, chunk after chunk of query rows (row groups: of groups).
@@ -464,16 +469,17 @@ class TileLangBackend(Backend):
         if not self._choices.safe:
             raise ValueError("deterministic mode needs safe=True (host-rewritten indices)")
         R, keys, members, ext = lists
-        B, T, Hp, Dqk = qp.shape
-        K, n_kv = keys.shape[-1], kv_k.shape[1] - 1  # K: slots per block's list (R * padded topk)
+        B, T, Hp, Dqk = qp.shape  # (heads padded: Hp = G * hg_pad)
+        d_v = prob.d_v
+        K, n_kv = keys.shape[-1], prob.seq_len_kv  # K: slots per block's list (R * padded topk)
         h_blk, nh = row_group_geometry(hg_pad, R)
         ws = self._choices.bwd_warp_specialized and h_blk >= 64  # (safe mode checked above)
         if ws:
-            kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, Dqk - d_v, K // R, G, float(sm_scale), rows_per_block=R,
+            kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, prob.d_tail, K // R, G, prob.sm_scale, rows_per_block=R,
                                               dkv_per_slot=True)
             flag = (self._ws_backward_flag(qp.device, nonfinite_flag),)
         elif R == 1:
-            kernel = sparse_mla_bwd_kernel(Hp, d_v, Dqk - d_v, K, G, float(sm_scale), self._choices.safe,
+            kernel = sparse_mla_bwd_kernel(Hp, d_v, prob.d_tail, K, G, prob.sm_scale, self._choices.safe,
                                            dkv_per_slot=True)
             flag = ()
         else:  # (rows_per_block keeps row groups off in deterministic mode without the ws backward)
