@@ -61,12 +61,20 @@ def with_mtp(card, state, seed=1):
     return out
 
 
-def bridge_cpu_provider(path):
+def bridge_cpu_provider(path, model="gpt"):
+    """(AutoBridge, finalised CPU provider); ``model="hybrid"``: the provider ``AutoBridge`` gives while
+    ``glm5_dsa_plugin.bridge.register_bridge(model="hybrid")`` holds (GPT registered again afterwards)."""
     from megatron.bridge import AutoBridge
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from glm5_dsa_plugin.bridge import register_bridge
+
     b = AutoBridge.from_hf_pretrained(str(path))
-    prov = b.to_megatron_provider(load_weights=False)
+    register_bridge(model=model)
+    try:
+        prov = b.to_megatron_provider(load_weights=False)
+    finally:
+        register_bridge(model="gpt")
     # CPU-only test settings; production keeps the bridge's defaults (TE, grouped GEMM, flex dispatcher)
     prov.transformer_impl, prov.moe_token_dispatcher_type, prov.moe_grouped_gemm = "local", "allgather", False
     prov.moe_permute_fusion = prov.moe_shared_expert_overlap = False
