@@ -49,6 +49,7 @@ from ..checkpoints import cards
 from ..checkpoints import hybrid_pattern as hp
 from ..model import cp_layout as cpx
 from ..model.attention import GLM5DSAttention
+from ..model.dsa_fields import dsa_geometry
 from . import config_source
 from . import spec as gspec
 
@@ -188,7 +189,8 @@ class GLM5DSAHybridStack(HybridStack):
             raise ValueError(f"hybrid layer pattern {pattern!r}: this stage builds {stage!r} from layer "
                              f"{pp_layer_offset + 1}, which is not the pattern's (config.hybrid_layer_pattern differs "
                              f"from the pattern HybridModel was given?)")
-        hp.check_index_sharing(pattern, config.dsa_indexer_topk_freq or 1, config.dsa_indexer_skip_topk_offset or 0)
+        geometry = dsa_geometry(config)
+        hp.check_index_sharing(pattern, geometry.topk_freq, geometry.skip_offset)
         super().__init__(config, submodules, pre_process=pre_process, layer_type_list=layer_type_list,
                          pp_layer_offset=pp_layer_offset, post_layer_norm=False, post_process=post_process,
                          device=device, dtype=dtype, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer,

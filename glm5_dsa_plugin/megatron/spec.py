@@ -40,7 +40,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from ..model import cp_layout as cpx
-from ..model import indexer as ix
+from ..model.dsa_fields import dsa_geometry
 from . import config_source
 from ..model.attention import GLM5DSAIndexer, GLM5DSAIndexerSubmodules, GLM5DSAttention, GLM5DSAttentionSubmodules
 
@@ -228,8 +228,7 @@ def _stage_layer_ids(config, vp_stage, pp_rank=None) -> list[int]:
 def check_index_sharing_split(config, layer_ids: list[int]) -> None:
     """The first layer of a stage must compute its own DSA indices (clear error otherwise)."""
     if layer_ids:
-        ix.check_stage_layers(layer_ids[0] + 1, layer_ids[-1] + 1, config.dsa_indexer_topk_freq or 1,
-                              config.dsa_indexer_skip_topk_offset or 0)
+        dsa_geometry(config).check_stage_layers(layer_ids[0] + 1, layer_ids[-1] + 1)
 
 
 def _cp_layout(args, config) -> str:
@@ -320,8 +319,7 @@ class GLM5DSATransformerLayer(TransformerLayer):
         pattern = _moe_pattern(config)
         is_moe = bool(pattern[-1] if is_mtp_layer else pattern[global_number - 1])
         if layer_number == 1 and not is_mtp_layer:
-            ix.check_stage_layers(global_number, global_number, config.dsa_indexer_topk_freq or 1,
-                                  config.dsa_indexer_skip_topk_offset or 0)
+            dsa_geometry(config).check_stage_layers(global_number, global_number)
         super().__init__(config, layer_submodules(config, is_moe, mtp=is_mtp_layer), layer_number=layer_number,
                          hidden_dropout=hidden_dropout, pg_collection=pg_collection, vp_stage=vp_stage,
                          is_mtp_layer=is_mtp_layer, add_layer_offset=add_layer_offset,

@@ -36,7 +36,7 @@ from . import cp_layout as cpx
 from . import indexer as ix
 from . import indexer_replay as replay_mod
 from . import rollout_numerics
-from .dsa_fields import check_dsa_config
+from .dsa_fields import check_dsa_config, dsa_geometry
 from ..ops import guard_policy, sparse_mla
 from ..ops.fp8_kv import fake_quant_kv
 from ..ops.indexer import fp8_index
@@ -147,11 +147,11 @@ class GLM5DSAttention(MegatronModule):
         self.layer_number = layer_number
         self.is_mtp = is_mtp  # an MTP layer's attention: its own indices, never replayed or recorded
         self.kv_fp8_qat = rollout_numerics.kv_fp8_qat(config)  # sparse MLA reads the FP8-cache latent
-        self.topk_freq = config.dsa_indexer_topk_freq or 1
-        self.skip_offset = config.dsa_indexer_skip_topk_offset or 0
         check_dsa_config(config)
-        self.computes_indices = ix.computes_indices(layer_number, self.topk_freq, self.skip_offset)
-        self.source_layer = ix.index_source_layer(layer_number, self.topk_freq, self.skip_offset)
+        self.geometry = dsa_geometry(config)  # topk, index-sharing schedule, indexer heads / RoPE convention
+        self.topk_freq, self.skip_offset = self.geometry.topk_freq, self.geometry.skip_offset
+        self.computes_indices = self.geometry.computes_indices(layer_number)
+        self.source_layer = self.geometry.source_layer(layer_number)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection

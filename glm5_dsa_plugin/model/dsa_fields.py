@@ -30,6 +30,8 @@ two and truncates, which is not orthonormal, and a True is refused.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from . import rollout_numerics
 
 # megatron-core 0.19.2 TransformerConfig DSA fields (tests compare this list with the dataclass)
@@ -42,6 +44,64 @@ KNOWN_DSA_FIELDS = (
 
 # fields this plugin adds (set as config attributes by the launchers)
 PLUGIN_DSA_FIELDS = rollout_numerics.FIELDS
+
+
+@dataclass(frozen=True)
+class DSAGeometry:
+    """A model's DSA geometry, resolved once from its ``TransformerConfig`` (:func:`dsa_geometry`)
+    and passed to what needs it instead of re-reading (and re-defaulting) the config fields.
+
+    ``topk``: keys per query row (``dsa_indexer_topk``). ``topk_freq`` >= 1 and ``skip_offset`` >= 0:
+    the index-sharing schedule (``dsa_indexer_topk_freq`` / ``dsa_indexer_skip_topk_offset``, None
+    read as megatron-core's defaults 1 / 0): 1-indexed layer L computes its own indices iff
+    ``max(L - max(skip_offset, 1), 0) % topk_freq == 0``, else it reuses the last computing layer's.
+    ``indexer_heads`` / ``indexer_head_dim``: the indexer's heads and their width;
+    ``rope_interleaved``: the indexer's RoPE convention (``dsa_indexer_rope_interleaved``).
+    """
+
+    topk: int | None
+    topk_freq: int = 1
+    skip_offset: int = 0
+    indexer_heads: int | None = None
+    indexer_head_dim: int | None = None
+    rope_interleaved: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.topk_freq, int) or self.topk_freq < 1:
+            _refuse("dsa_indexer_topk_freq", self.topk_freq, "index sharing needs a period of 1 or more",
+                    "set 1 (every layer computes its indices) or more")
+        if not isinstance(self.skip_offset, int) or self.skip_offset < 0:
+            _refuse("dsa_indexer_skip_topk_offset", self.skip_offset, "a negative offset", "set 0 or more")
+
+    def computes_indices(self, layer_number: int) -> bool:
+        """Whether 1-indexed ``layer_number`` runs its indexer (else it reuses :meth:`source_layer`'s)."""
+        from .indexer import computes_indices
+
+        return computes_indices(layer_number, self.topk_freq, self.skip_offset)
+
+    def source_layer(self, layer_number: int) -> int:
+        """The computing layer whose indices 1-indexed ``layer_number`` uses (itself if it computes)."""
+        from .indexer import index_source_layer
+
+        return index_source_layer(layer_number, self.topk_freq, self.skip_offset)
+
+    def check_stage_layers(self, first_layer: int, last_layer: int) -> None:
+        """ValueError when a pipeline stage owning 1-indexed layers [first, last] starts on a reusing layer."""
+        from .indexer import check_stage_layers
+
+        check_stage_layers(first_layer, last_layer, self.topk_freq, self.skip_offset)
+
+
+def dsa_geometry(config) -> DSAGeometry:
+    """The :class:`DSAGeometry` of a ``TransformerConfig`` (or any object with its ``dsa_*`` fields;
+    a missing field reads as megatron-core's default)."""
+    freq = getattr(config, "dsa_indexer_topk_freq", None)
+    offset = getattr(config, "dsa_indexer_skip_topk_offset", None)
+    return DSAGeometry(topk=getattr(config, "dsa_indexer_topk", None),
+                       topk_freq=1 if freq is None else freq, skip_offset=0 if offset is None else offset,
+                       indexer_heads=getattr(config, "dsa_indexer_n_heads", None),
+                       indexer_head_dim=getattr(config, "dsa_indexer_head_dim", None),
+                       rope_interleaved=bool(getattr(config, "dsa_indexer_rope_interleaved", False)))
 
 
 def _refuse(field: str, value, why: str, fix: str) -> None:

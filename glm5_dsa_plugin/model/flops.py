@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dsa_fields import dsa_geometry
+
 # bf16 dense matmul peak (FLOP/s) and HBM bandwidth (bytes/s) from the vendors' data sheets, by a
 # substring of ``torch.cuda.get_device_name()``; most specific first
 DEVICE_PEAKS = (
@@ -93,6 +95,7 @@ class DSAShape:
             raise ValueError(f"moe_layer_freq {c.moe_layer_freq}: only dense layers first, then MoE layers, are counted")
         moe_ffn = c.moe_ffn_hidden_size or 0
         shared = (c.moe_shared_expert_intermediate_size or 0) // moe_ffn if moe_ffn else 0
+        geometry = dsa_geometry(c)
         return cls(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank,
                    kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_head_dim,
                    qk_rope_head_dim=c.qk_pos_emb_head_dim, v_head_dim=c.v_head_dim,
@@ -101,8 +104,7 @@ class DSAShape:
                    moe_intermediate_size=moe_ffn, n_routed_experts=c.num_moe_experts or 0,
                    num_experts_per_tok=c.moe_router_topk or 0, n_shared_experts=shared,
                    num_hidden_layers=c.num_layers, first_k_dense_replace=first_dense,
-                   index_topk_freq=c.dsa_indexer_topk_freq or 1,
-                   index_skip_topk_offset=c.dsa_indexer_skip_topk_offset or 0,
+                   index_topk_freq=geometry.topk_freq, index_skip_topk_offset=geometry.skip_offset,
                    num_nextn_predict_layers=c.mtp_num_layers or 0, vocab_size=vocab_size)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from ..checkpoints import cards
 from ..model import indexer as ix
+from ..model.dsa_fields import dsa_geometry
 from . import memory as mem
 
 GIB = 1024**3
@@ -109,9 +110,9 @@ def _layer_params(config, is_moe: bool, computes: bool, tp: int, ep: int) -> tup
 
     spec = ModuleSpec(module=TransformerLayer, submodules=layer_submodules(config, is_moe))
     # layer_number 1 computes; with freq > 1 the first reusing layer is offset + 1
-    freq, off = config.dsa_indexer_topk_freq or 1, config.dsa_indexer_skip_topk_offset or 0
+    geometry = dsa_geometry(config)
     number = 1 if computes else next(L for L in range(1, config.num_layers + 1)
-                                      if not ix.computes_indices(L, freq, off))
+                                      if not geometry.computes_indices(L))
     with torch.device("meta"):
         layer = build_module(spec, config=config, layer_number=number, add_layer_offset=False)
     return _per_rank_params(layer, tp, ep)

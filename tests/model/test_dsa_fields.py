@@ -137,3 +137,44 @@ def test_indexer_head_narrower_than_its_rope_channels_is_refused(megatron_single
     card, cfg = _config()
     with pytest.raises(ValueError, match=rf"dsa_indexer_head_dim={cfg.qk_pos_emb_head_dim // 2} is not supported"):
         _model(dsa_indexer_head_dim=cfg.qk_pos_emb_head_dim // 2)
+
+
+def test_dsa_geometry_resolves_the_index_sharing_schedule_once():
+    """``dsa_geometry`` reads each DSA geometry field once: None freq / offset as megatron-core's
+    defaults 1 / 0, the schedule the same as ``indexer.computes_indices``; a period below 1 or a
+    negative offset is refused naming the field and the value."""
+    from types import SimpleNamespace
+
+    from glm5_dsa_plugin.model.dsa_fields import DSAGeometry, dsa_geometry
+
+    plain = dsa_geometry(SimpleNamespace(dsa_indexer_topk=2048, dsa_indexer_topk_freq=None,
+                                         dsa_indexer_skip_topk_offset=None, dsa_indexer_n_heads=32,
+                                         dsa_indexer_head_dim=128, dsa_indexer_rope_interleaved=True))
+    assert plain == DSAGeometry(topk=2048, topk_freq=1, skip_offset=0, indexer_heads=32, indexer_head_dim=128,
+                                rope_interleaved=True)
+    assert all(plain.computes_indices(L) for L in range(1, 10))
+    shared = dsa_geometry(SimpleNamespace(dsa_indexer_topk=2048, dsa_indexer_topk_freq=4,
+                                          dsa_indexer_skip_topk_offset=3))
+    assert [shared.computes_indices(L) for L in range(1, 13)] == [ix.computes_indices(L, 4, 3) for L in range(1, 13)]
+    assert [L for L in range(1, 13) if shared.computes_indices(L)] == [1, 2, 3, 7, 11]
+    assert shared.source_layer(6) == 3 and shared.source_layer(7) == 7
+    with pytest.raises(ValueError, match=r"pipeline stage starting at layer 5 would reuse the DSA indices of layer 3"):
+        shared.check_stage_layers(5, 8)
+    shared.check_stage_layers(7, 10)
+    with pytest.raises(ValueError, match=r"config.dsa_indexer_topk_freq=0 is not supported"):
+        dsa_geometry(SimpleNamespace(dsa_indexer_topk_freq=0))
+    with pytest.raises(ValueError, match=r"config.dsa_indexer_skip_topk_offset=-1 is not supported"):
+        dsa_geometry(SimpleNamespace(dsa_indexer_skip_topk_offset=-1))
+
+
+def test_attention_modules_take_their_schedule_from_the_geometry(megatron_single_process):
+    from glm5_dsa_plugin.model.attention import GLM5DSAttention
+    from glm5_dsa_plugin.model.dsa_fields import dsa_geometry
+
+    card, cfg = _config(dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1)
+    model = _model(dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1)
+    atts = [m for m in model.modules() if isinstance(m, GLM5DSAttention)]
+    assert atts and all(a.geometry == dsa_geometry(cfg) for a in atts)
+    for a in atts:
+        assert a.computes_indices == ix.computes_indices(a.layer_number, 2, 1) == (a.indexer is not None)
+        assert a.source_layer == ix.index_source_layer(a.layer_number, 2, 1)
