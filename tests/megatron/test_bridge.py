@@ -242,6 +242,42 @@ def test_hybrid_through_the_bridge_equals_gpt_through_the_bridge(megatron_single
         assert torch.equal(v, out_g[k]), k
 
 
+@pytest.mark.slow
+def test_hybrid_with_mtp_through_the_bridge_loads_as_the_converter(megatron_single_process, tmp_path):
+    """provider.mtp_num_layers = 1 appends '/DE'; the bridge loads every weight, MTP included, as
+    hf_megatron.hf_to_megatron(model="hybrid") converts it, and exports it back bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    from glm5_dsa_plugin.checkpoints import hf_megatron
+    from tiny_models import tiny_hf, with_mtp
+
+    card, hf = tiny_hf(seed=7, **GLM52)
+    hf.save_pretrained(tmp_path)
+    (shard,) = sorted(tmp_path.glob("*.safetensors"))
+    on_disk = with_mtp(card, load_file(shard))  # transformers writes no MTP layer; HF checkpoints carry one
+    save_file(on_disk, str(shard), metadata={"format": "pt"})
+    b, prov = _cpu_provider(tmp_path, model="hybrid")
+    prov.mtp_num_layers = 1
+    prov.finalize()
+    assert (prov.hybrid_layer_pattern, prov.num_layers) == ("D-D-DEDE/DE", 8)
+    torch.manual_seed(0)
+    model = prov.provide()
+    assert model.mtp is not None
+    b.load_hf_weights([model])
+    got = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    want = hf_megatron.hf_to_megatron(on_disk, card, model="hybrid")
+    assert got.keys() == want.keys() and any(k.startswith("mtp.layers.0.mtp_model_layer.layers.1.") for k in got)
+    for k in got:
+        assert torch.equal(got[k], want[k]), k
+    out = dict(b.export_hf_weights([model], cpu=True, show_progress=False))
+    n = card["num_hidden_layers"]
+    # the MTP layer's embedding and head are the model's own (megatron-core shares them): not exported
+    assert set(on_disk) - set(out) == {f"model.layers.{n}.embed_tokens.weight", f"model.layers.{n}.shared_head.head.weight"}
+    assert set(out) <= set(on_disk)
+    for k, v in out.items():
+        assert torch.equal(v, on_disk[k]), k
+
+
 # ---------------------------------------------------------------- TE guard
 needs_no_te = pytest.mark.skipif(te_compat.te_available(), reason="guard is inactive where TE is installed")
 
