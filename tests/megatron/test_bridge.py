@@ -171,9 +171,9 @@ def test_hybrid_names_registry_maps_through_the_gpt_names(hf52_dir):
     b._megatron_names = "hybrid"
     reg = b.mapping_registry()
     assert isinstance(reg, bridge_mod.HybridNamesMappingRegistry)
-    m = reg.megatron_to_hf_lookup("decoder.layers.2.self_attention.linear_q_down_proj.weight")
-    assert (type(m), m.megatron_param, m.hf_param) == (
-        AutoMapping, "decoder.layers.2.self_attention.linear_q_down_proj.weight", "model.layers.1.self_attn.q_a_proj.weight")
+    q_down = "decoder.layers.2.self_attention.linear_q_down_proj.weight"
+    m = reg.megatron_to_hf_lookup(q_down)
+    assert (type(m), m.megatron_param, m.hf_param) == (AutoMapping, q_down, "model.layers.1.self_attn.q_a_proj.weight")
     m = reg.megatron_to_hf_lookup("decoder.layers.3.mlp.linear_fc1.weight")
     assert type(m) is GatedMLPMapping and m.megatron_param == "decoder.layers.3.mlp.linear_fc1.weight"
     assert m.hf_param == {"gate": "model.layers.1.mlp.gate_proj.weight", "up": "model.layers.1.mlp.up_proj.weight"}
@@ -185,8 +185,7 @@ def test_hybrid_names_registry_maps_through_the_gpt_names(hf52_dir):
     with pytest.raises(ValueError, match="hybrid layer 1 holds"):
         reg.megatron_to_hf_lookup("decoder.layers.1.self_attention.linear_proj.weight")
     b._megatron_names = "gpt"
-    assert b.mapping_registry().megatron_to_hf_lookup(
-        "decoder.layers.2.self_attention.linear_q_down_proj.weight").hf_param == "model.layers.2.self_attn.q_a_proj.weight"
+    assert b.mapping_registry().megatron_to_hf_lookup(q_down).hf_param == "model.layers.2.self_attn.q_a_proj.weight"
 
 
 @pytest.mark.slow
@@ -272,7 +271,8 @@ def test_hybrid_with_mtp_through_the_bridge_loads_as_the_converter(megatron_sing
     out = dict(b.export_hf_weights([model], cpu=True, show_progress=False))
     n = card["num_hidden_layers"]
     # the MTP layer's embedding and head are the model's own (megatron-core shares them): not exported
-    assert set(on_disk) - set(out) == {f"model.layers.{n}.embed_tokens.weight", f"model.layers.{n}.shared_head.head.weight"}
+    assert set(on_disk) - set(out) == {f"model.layers.{n}.embed_tokens.weight",
+                                       f"model.layers.{n}.shared_head.head.weight"}
     assert set(out) <= set(on_disk)
     for k, v in out.items():
         assert torch.equal(v, on_disk[k]), k
