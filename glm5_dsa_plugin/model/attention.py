@@ -37,6 +37,7 @@ from . import indexer as ix
 from . import indexer_replay as replay_mod
 from . import rollout_numerics
 from .dsa_fields import check_dsa_config, dsa_geometry
+from .switches import apply_guard_policy, resolve_switches
 from ..ops import guard_policy, sparse_mla
 from ..ops.fp8_kv import fake_quant_kv
 from ..ops.indexer import fp8_index
@@ -136,7 +137,7 @@ class GLM5DSAttention(MegatronModule):
     requires_dsa_inputs = True
     _HOLDER_ATTR = "_glm5_dsa_index_share_holder"
     _CP_SHARDS_ATTR = "_glm5_dsa_cp_shards"
-    backend = "auto"  # sparse_mla backend; tests and launchers may set it on the class or instance
+    _backend_override: Optional[str] = None
 
     def __init__(self, config: TransformerConfig, submodules: GLM5DSAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType, attention_type: str, attention_dropout: Optional[float] = None,
@@ -148,6 +149,10 @@ class GLM5DSAttention(MegatronModule):
         self.is_mtp = is_mtp  # an MTP layer's attention: its own indices, never replayed or recorded
         self.kv_fp8_qat = rollout_numerics.kv_fp8_qat(config)  # sparse MLA reads the FP8-cache latent
         check_dsa_config(config)
+        # backend, deterministic mode and guard policy of this module's calls, from the config (and
+        # environment overrides), resolved once (see model.switches)
+        self.switches = resolve_switches(config)
+        apply_guard_policy(self.switches)
         self.geometry = dsa_geometry(config)  # topk, index-sharing schedule, indexer heads / RoPE convention
         self.topk_freq, self.skip_offset = self.geometry.topk_freq, self.geometry.skip_offset
         self.computes_indices = self.geometry.computes_indices(layer_number)
@@ -262,7 +267,7 @@ class GLM5DSAttention(MegatronModule):
             kv_att = shard.gather(kv_att)
 
         holder = self._holder(packed_seq_params, attention_mask)
-        deterministic = bool(getattr(self.config, "deterministic_mode", False))
+        deterministic = self.switches.deterministic
         index_logits = None
         if self.indexer is not None:
             carrier = self._carrier(packed_seq_params, attention_mask)
@@ -315,6 +320,17 @@ class GLM5DSAttention(MegatronModule):
         if absorbed:
             out = value_up_projection(out, up_v_weight.to(out.dtype))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, H * v]
+
+    @property
+    def backend(self) -> str:
+        """The sparse_mla backend of this module's absorbed calls: one assigned in code (instance, or
+        a string assigned to the class attribute; tests and benchmarks pin one that way), else
+        ``self.switches.backend`` (``config.dsa_sparse_mla_backend``, ``GLM5_DSA_BACKEND``, "auto")."""
+        return self._backend_override if self._backend_override is not None else self.switches.backend
+
+    @backend.setter
+    def backend(self, name: Optional[str]) -> None:
+        self._backend_override = name
 
     def _replayed(self, replay, vis, rows: int, device) -> torch.Tensor:
         """This layer's replayed indices [rows, topk], checked against the rows this forward holds."""

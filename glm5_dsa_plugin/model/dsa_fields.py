@@ -15,9 +15,10 @@ field, its value and what to set instead; nothing is silently ignored.
 | ``dsa_indexer_scoring_relu`` | True only |
 | ``dsa_indexer_k_norm_epsilon`` | used; None = ``layernorm_epsilon``, as in megatron-core |
 | ``dsa_indexer_k_norm_fp32`` | used |
-| ``dsa_kernel_backend`` | "none" only: it picks megatron-core's own fused kernels, which never run here |
+| ``dsa_kernel_backend`` | "none" only: it picks megatron-core's own fused kernels, which never run here; ``dsa_sparse_mla_backend`` picks ours |
 | ``dsa_indexer_precision`` (ours, megatron-core's pending name) | "bf16" (default) or "fp8": :mod:`.rollout_numerics` |
 | ``dsa_kv_fp8_qat`` (ours) | False (default) or True: :mod:`.rollout_numerics` |
+| ``dsa_sparse_mla_backend`` / ``dsa_nonfinite_policy`` (ours) | the call's backend and guard policy: :mod:`.switches` |
 
 Any other ``dsa_*`` attribute on the config (a misspelt switch) is refused.
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import rollout_numerics
+from . import rollout_numerics, switches
 
 # megatron-core 0.19.2 TransformerConfig DSA fields (tests compare this list with the dataclass)
 KNOWN_DSA_FIELDS = (
@@ -43,7 +44,7 @@ KNOWN_DSA_FIELDS = (
 )
 
 # fields this plugin adds (set as config attributes by the launchers)
-PLUGIN_DSA_FIELDS = rollout_numerics.FIELDS
+PLUGIN_DSA_FIELDS = rollout_numerics.FIELDS + switches.FIELDS
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ def check_dsa_config(config) -> None:
         _refuse(unknown[0], getattr(config, unknown[0]), "no DSA field has that name",
                 f"use one of {sorted(known)}")
     rollout_numerics.check(config)
+    switches.check(config)
     coeff = getattr(config, "dsa_indexer_loss_coeff", None) or 0.0
     if coeff < 0:
         _refuse("dsa_indexer_loss_coeff", coeff, "a negative loss coefficient", "set it to 0 (off) or above")
@@ -132,8 +134,9 @@ def check_dsa_config(config) -> None:
     if backend not in (None, "none"):
         _refuse("dsa_kernel_backend", backend,
                 "it selects megatron-core's fused DSA kernels, which GLM5DSAttention never runs (its attention is "
-                "glm5_dsa_plugin.ops.sparse_mla, whose backend is GLM5DSAttention.backend)",
-                "set dsa_kernel_backend='none'")
+                "glm5_dsa_plugin.ops.sparse_mla)",
+                "set dsa_kernel_backend='none' and choose the sparse-MLA kernels with config.dsa_sparse_mla_backend "
+                "('auto', 'reference' or 'tilelang'; the launchers' --backend, or GLM5_DSA_BACKEND)")
     head_dim = getattr(config, "dsa_indexer_head_dim", None)
     rope_dim = getattr(config, "qk_pos_emb_head_dim", None)
     if head_dim and rope_dim and head_dim < rope_dim:

@@ -154,6 +154,8 @@ def model_config(args, card: dict, **extra):
     # rollout-matched numerics (glm5_dsa_plugin.model.rollout_numerics): attributes, not dataclass fields
     config.dsa_indexer_precision = getattr(args, "dsa_indexer_precision", None)
     config.dsa_kv_fp8_qat = getattr(args, "dsa_kv_fp8_qat", None)
+    # the sparse-MLA backend of every DSA attention call (glm5_dsa_plugin.model.switches)
+    config.dsa_sparse_mla_backend = getattr(args, "backend", None)
     return config
 
 
@@ -162,9 +164,10 @@ def build_model(args, card: dict, config, mtp: bool = False):
     ``--model hybrid`` a HybridModel (:mod:`glm5_dsa_plugin.train.hybrid_model`)."""
     from megatron.core.models.gpt import GPTModel
 
-    from ..model.attention import GLM5DSAttention
     from ..megatron.spec import get_glm5_dsa_mtp_spec
 
+    if getattr(config, "dsa_sparse_mla_backend", None) is None:  # (a config not made by model_config)
+        config.dsa_sparse_mla_backend = getattr(args, "backend", None)
     torch.manual_seed(args.seed)
     if getattr(args, "model", "gpt") == "hybrid":
         from .hybrid_model import build_hybrid_model
@@ -176,9 +179,6 @@ def build_model(args, card: dict, config, mtp: bool = False):
         model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=card["vocab_size"],
                          max_sequence_length=max(args.seq_len, 8) * 2, position_embedding_type="none",
                          mtp_block_spec=mtp_spec)
-    for m in model.modules():
-        if isinstance(m, GLM5DSAttention):
-            m.backend = args.backend
     if args.hf:
         from ..checkpoints.hf_megatron import LazyHFCheckpoint, load_hf_checkpoint
 
