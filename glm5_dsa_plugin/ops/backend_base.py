@@ -77,6 +77,15 @@ class Backend:
         (needed with :meth:`finite_out_lse_bound`)."""
         raise NotImplementedError(f"backend {self.name!r} has a finite_out_lse_bound but no row_extent")
 
+    def saved_bytes(self, prob: Problem, itemsize: int) -> dict[str, int]:
+        """Bytes of the tensors :meth:`forward_saving` keeps for the backward (its ``saved``) in a
+        call of ``prob`` whose q / kv elements take ``itemsize`` bytes, by tensor; an upper bound
+        where the layout depends on the index values or on choices made per call. ``kv``: the kv
+        it keeps; ``indices``: an index tensor of its own (0 when it keeps the caller's, which the
+        caller counts); other names are the backend's own. What memory planners read instead of
+        restating a backend's layout. The default keeps (kv, indices) as the caller passed them."""
+        return {"kv": prob.batch * prob.seq_len_kv * prob.kv_groups * prob.d_qk * itemsize, "indices": 0}
+
     def deterministic_variant(self, device: torch.device | None = None) -> "Backend":
         """The backend whose backward is bitwise reproducible on ``device``, or a ValueError
         saying why there is none."""

@@ -135,24 +135,33 @@ def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes:
       fp32, the one tensor the loss keeps (computed in its forward);
     * ``value_out``: the value up-projection's output [S_loc, H * v_head_dim] (bf16), which the
       output projection keeps."""
-    from ..ops.tilelang.backend import TileLangBackend
-    from ..ops.tilelang.plan import padded_topk
-
     H = card["num_attention_heads"] // tp
     S_loc = seq // cp
     dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
     topk = card["index_topk"]
-    k_pad = padded_topk(topk)
-    parts = dict(q=S_loc * H * dq * 2, kv=(seq + 1) * dq * 2, out=S_loc * H * card["kv_lora_rank"] * 2,
+    saved = _sparse_mla_saved_bytes(card, H, S_loc, seq)
+    parts = dict(q=S_loc * H * dq * 2, kv=saved["kv"], out=S_loc * H * card["kv_lora_rank"] * 2,
                  lse=S_loc * H * 4)
-    parts["indices"] = S_loc * topk * 4 * computes + (S_loc * k_pad * 4 if k_pad != topk else 0)
-    _, R = TileLangBackend().rows_per_block(H)
-    parts["key_lists"] = -(-S_loc // R) * R * k_pad * 5 if R > 1 else 0
+    parts["indices"] = S_loc * topk * 4 * computes + saved["indices"]
+    parts["key_lists"] = saved["key_lists"]
     parts["indexer"] = ((S_loc * card["index_n_heads"] * card["index_head_dim"] * 2 + seq * card["index_head_dim"] * 2
                          + S_loc * card["index_n_heads"] * 4) if computes else 0)
     parts["indexer_loss_grad"] = S_loc * topk * 4 * computes
     parts["value_out"] = S_loc * H * card["v_head_dim"] * 2
     return parts
+
+
+def _sparse_mla_saved_bytes(card: dict, H: int, S_loc: int, T: int) -> dict[str, int]:
+    """What the TileLang backend keeps from a layer's sparse-MLA forward for its backward, by
+    tensor (``Backend.saved_bytes``): S_loc local query rows of H heads against the T gathered
+    latent rows (one kv group), bf16."""
+    from ..ops.backends import get_backend
+    from ..ops.contract import Problem
+
+    d_v = card["kv_lora_rank"]
+    prob = Problem(batch=1, seq_len=S_loc, seq_len_kv=T, heads=H, kv_groups=1, topk=card["index_topk"],
+                   d_qk=d_v + card["qk_rope_head_dim"], d_v=d_v, sm_scale=1.0)  # (the scale sizes nothing)
+    return get_backend("tilelang").saved_bytes(prob, itemsize=2)
 
 
 def attention_activation_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool) -> int:
@@ -198,11 +207,12 @@ def _guard_pending_bytes(card: dict, H: int, S_loc: int, T: int) -> int:
     """What the guard keeps of one backward until its flags are settled (``ops.guard``'s pending
     queue): q, the incoming gradient, the prepared kv and indices; 0 past ``pending_bytes``."""
     from ..ops.guard.config import cfg
-    from ..ops.tilelang.plan import padded_topk
 
     dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
-    kept = (S_loc * H * dq * 2 + S_loc * H * card["kv_lora_rank"] * 2 + (T + 1) * dq * 2
-            + S_loc * padded_topk(card["index_topk"]) * 4 + S_loc * 4)
+    saved = _sparse_mla_saved_bytes(card, H, S_loc, T)
+    # the backend's saved tensors hold its own padded indices, else the caller's (topk a multiple of 64)
+    kept = (S_loc * H * dq * 2 + S_loc * H * card["kv_lora_rank"] * 2 + saved["kv"]
+            + (saved["indices"] or S_loc * card["index_topk"] * 4) + saved["extent"])
     return kept if kept <= cfg.pending_bytes else 0
 
 

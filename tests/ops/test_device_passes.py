@@ -144,6 +144,12 @@ saved = be.save(kv, idx, prob)
 assert saved[1].shape[-1] == 128  # topk padded to a multiple of 64
 kv2, idx2 = be.originals(saved, prob)
 assert torch.equal(kv2, kv) and torch.equal(idx2, idx)
+# the memory the backend reports for a call is what it keeps (topk 100: its own padded copy)
+want = be.saved_bytes(prob, kv.element_size())
+assert (want["kv"], want["indices"], want["extent"]) == tuple(t.nbytes for t in saved[:3]), (want, saved)
+from glm5_dsa_plugin.ops.row_groups import group_keys
+lists = group_keys(saved[1], 30, be.rows_per_block(prob.heads_per_group)[1])  # 16 heads: rows of 4 per block
+assert (want["key_lists"], want["key_list_extent"]) == (lists[0].nbytes + lists[1].nbytes, lists[2].nbytes)
 print("OK")
 """
 

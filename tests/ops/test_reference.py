@@ -300,3 +300,17 @@ def test_backend_base_class_defaults_and_registry_type_check(no_deterministic_ba
             get_backend("not_a_backend")
     finally:
         unregister_backend("not_a_backend")
+
+
+def test_reference_backend_reports_what_it_saves():
+    """``Backend.saved_bytes``: the base class keeps the caller's kv and no index tensor of its own."""
+    from glm5_dsa_plugin.ops.backends import ReferenceBackend
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 5, 4, 12, generator=gen, dtype=torch.float64)
+    kv = torch.randn(2, 7, 2, 12, generator=gen, dtype=torch.float64)
+    idx = torch.randint(-1, 7, (2, 5, 2, 3), generator=gen, dtype=torch.int32)
+    be, prob = ReferenceBackend(), problem_of(q, kv, idx, 0.3, 8)
+    _, _, saved = be.forward_saving(q, kv, idx, prob)
+    assert be.saved_bytes(prob, kv.element_size()) == {"kv": saved[0].nbytes, "indices": 0}
+    assert saved[1] is idx

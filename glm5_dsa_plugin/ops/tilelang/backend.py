@@ -170,6 +170,25 @@ class TileLangBackend(Backend):
             return None
         return min(2.0**29 * prob.sm_scale, 2.0**26)
 
+    def saved_bytes(self, prob: Problem, itemsize: int) -> dict[str, int]:
+        """As the Backend protocol, for :meth:`forward_saving`'s ``saved`` (an upper bound over
+        ``row_groups="auto"``'s choice): ``kv`` with the zero sentinel row [B, T_kv + 1, G, Dqk];
+        ``indices``, the rewritten [B, T, G, K_pad] int32 copy, kept unless the kernels read the
+        caller's indices (``_kernels_read_caller_indices``: topk a multiple of 64, not
+        deterministic); ``extent`` [B, T, G] int32; with row groups (fewer than 64 heads per kv
+        group, ``rows_per_block``), ``key_lists``, the groups' int32 keys and uint8 members
+        [B, ceil(T / R), G, R * K_pad] each, and ``key_list_extent`` [B, ceil(T / R), G] int32."""
+        B, T, G, k_pad = prob.batch, prob.seq_len, prob.kv_groups, padded_topk(prob.topk)
+        kv_rows = prob.seq_len_kv + 1 if self._choices.safe else prob.seq_len_kv
+        own_indices = not self._choices.safe or self.deterministic or k_pad != prob.topk
+        out = {"kv": B * kv_rows * G * prob.d_qk * itemsize, "indices": B * T * G * k_pad * 4 * own_indices,
+               "extent": B * T * G * 4}
+        _, R = self.rows_per_block(prob.heads_per_group)
+        groups = -(-T // R)
+        out["key_lists"] = B * groups * G * R * k_pad * (4 + 1) if R > 1 else 0
+        out["key_list_extent"] = B * groups * G * 4 if R > 1 else 0
+        return out
+
     def row_extent(self, saved) -> torch.Tensor:
         """int32 [B, T, G] from :meth:`forward_saving`'s ``saved``: 1 + the last valid slot of each
         query row and kv group, 0 for a row without any (what the guard's forward check needs to
