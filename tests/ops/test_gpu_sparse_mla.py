@@ -259,6 +259,9 @@ def test_backward_keeps_the_callers_indices(H, topk, options, caller):
     be = _tilelang(**options)
     out, lse, saved = be.forward_saving(q, kv, idx, _prob(q, kv, idx))
     assert (saved[1].data_ptr() == idx.data_ptr()) == caller
+    reported = be.saved_bytes(_prob(q, kv, idx), 2)  # what the planner reads: an upper bound per tensor
+    assert reported["kv"] == saved[0].nbytes and reported["extent"] == saved[2].nbytes
+    assert reported["indices"] >= (0 if caller else saved[1].nbytes)
     dq, dkv = be.backward_saved(q, saved, out, lse, g, _prob(q, kv, idx))
     clean = idx.masked_fill(idx >= T_kv, -1).clamp(min=-1)
     r_out, r_lse = ref.forward(q.float(), kv.float(), clean, SCALE, 512)
