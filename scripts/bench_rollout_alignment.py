@@ -8,9 +8,17 @@ scores; ``rollout_matched``: ``dsa_indexer_precision="fp8"`` and ``dsa_kv_fp8_qa
 ``sparse_mla`` (the TileLang kernel on a GPU). A fixed random readout turns each layer output into
 log-probabilities of random tokens over a 4096-word vocabulary, the quantity an RL loss compares.
 
-Layer: GLM-5.2's attention geometry (latent 512 + 64, indexer 32 heads x 128, top-k 2048) with 16
-query heads (the ``tiny`` scale of the width, GLM-5.2's shapes). Rows: {mode, T,
-topk_member_agreement, rows_below_0_8, logprob_max_abs_diff, logprob_mean_abs_diff}.
+Layer: the attention core of one GLM-5.x DSA layer (absorbed MLA: latent 512 + 64, qk head 192 + 64,
+value head 256, indexer 32 heads x 128, top-k 2048), fed random bf16 activations in place of the
+projections. ``--width tiny`` (default): 16 query heads, the tiny GLM-5.2-shaped model's layer;
+``--width full``: GLM-5.x's 64 query heads, one full-width layer. ``--rows N`` evaluates N query
+rows evenly strided over [0, T) (the last row included) against all T keys, where every row of a
+long sequence is more than a CPU can score; the rows' figures are then a sample of the full
+sequence's (``query_rows`` in each row; the max is the max over the sample).
+
+Rows: {mode, T, topk_member_agreement, rows_below_0_8, logprob_max_abs_diff, logprob_mean_abs_diff,
+width, query_heads, query_rows, card, seconds}. ``--merge`` keeps the rows of other (width, T) already
+in ``--out`` and replaces those this run measures, so each row of the file is its latest result.
 """
 
 from __future__ import annotations
@@ -27,11 +35,12 @@ from glm5_dsa_plugin.model.value_projection import value_up_projection
 from glm5_dsa_plugin.ops import fp8_kv, sparse_mla
 from glm5_dsa_plugin.ops.indexer import fp8_index
 
-H, HI, DI, LAT, ROPE, DV, TOPK, VOCAB = 16, 32, 128, 512, 64, 256, 2048, 4096
+HI, DI, LAT, ROPE, DV, TOPK, VOCAB = 32, 128, 512, 64, 256, 2048, 4096
+WIDTHS = {"tiny": 16, "full": 64}  # query heads: the tiny GLM-5.2-shaped model, GLM-5.x
 SM_SCALE = (192 + 64) ** -0.5
 
 
-def make_inputs(T: int, device, seed: int = 0) -> dict:
+def make_inputs(T: int, device, H: int = WIDTHS["tiny"], seed: int = 0) -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
     bf = dict(device=device, dtype=torch.bfloat16)
     r = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=device) * scale).to(torch.bfloat16)  # noqa: E731
@@ -41,43 +50,56 @@ def make_inputs(T: int, device, seed: int = 0) -> dict:
                 tokens=torch.randint(0, VOCAB, (T,), generator=g, device=device), _bf=bf)
 
 
-def logprobs(y: torch.Tensor, inp: dict) -> torch.Tensor:
-    """y [T, H, DV] -> log p(token_t) [T] fp32 through the fixed readout."""
+def query_rows(T: int, n: int | None, device) -> torch.Tensor:
+    """n query rows evenly strided over [0, T), the last row included (all T rows when n is None or >= T)."""
+    if n is None or n >= T:
+        return torch.arange(T, device=device)
+    if n < 1:
+        raise ValueError(f"--rows must be >= 1, got {n}")
+    return torch.arange(T - 1 - (n - 1) * (T // n), T, T // n, device=device)
+
+
+def logprobs(y: torch.Tensor, inp: dict, rows: torch.Tensor) -> torch.Tensor:
+    """y [R, H, DV] of query rows ``rows`` -> log p(token_t) [R] fp32 through the fixed readout."""
     logits = y.reshape(y.shape[0], -1).float() @ inp["readout"].float()
-    return torch.log_softmax(logits, -1).gather(1, inp["tokens"][:, None])[:, 0]
+    return torch.log_softmax(logits, -1).gather(1, inp["tokens"][rows, None])[:, 0]
 
 
-def rollout_forward(inp: dict, vis: ix.Visibility, chunk: int = 256):
+def rollout_forward(inp: dict, vis: ix.Visibility, rows: torch.Tensor, chunk: int = 256):
     """Inference order: FP8 index -> top-k -> FP8 cache read -> sparse attention (fp32, output rounded to
-    bf16) -> bf16 value up-projection."""
-    T = inp["q"].shape[0]
-    idx = fp8_index.fp8_select_topk(inp["qi"], inp["ki"], inp["wi"], TOPK, vis.mask)
+    bf16) -> bf16 value up-projection. Query rows ``rows`` against all keys."""
+    H = inp["q"].shape[1]
+    q, qi, wi = inp["q"][rows], inp["qi"][rows], inp["wi"][rows]
+    idx = fp8_index.fp8_select_topk(qi, inp["ki"], wi, TOPK, vis.rows(rows).mask)
     cache = fp8_kv.pack(inp["kv"][:, 0])  # [T, 656] uint8, what the engine stores
     kv = fp8_kv.unpack(cache).float()  # [T, 576]
-    out = torch.empty(T, H, LAT, device=kv.device)
-    for t0 in range(0, T, chunk):
-        t1 = min(T, t0 + chunk)
+    R = rows.shape[0]
+    out = torch.empty(R, H, LAT, device=kv.device)
+    for t0 in range(0, R, chunk):
+        t1 = min(R, t0 + chunk)
         sel = idx[t0:t1]
         kvs = kv[sel.clamp(min=0).long()]  # [c, K, 576]
-        s = torch.einsum("chd,ckd->chk", inp["q"][t0:t1].float(), kvs) * SM_SCALE
+        s = torch.einsum("chd,ckd->chk", q[t0:t1].float(), kvs) * SM_SCALE
         s = s.masked_fill((sel < 0)[:, None, :], float("-inf"))
         out[t0:t1] = torch.einsum("chk,ckd->chd", torch.softmax(s, -1), kvs[..., :LAT])
     # the engine's attention kernel returns bf16; the value up-projection runs on bf16 operands
     y = torch.einsum("thc,hdc->thd", out.to(torch.bfloat16), inp["up_v"])
-    return idx, logprobs(y, inp)
+    return idx, logprobs(y, inp, rows)
 
 
-def train_forward(inp: dict, vis: ix.Visibility, mode: str):
+def train_forward(inp: dict, vis: ix.Visibility, mode: str, rows: torch.Tensor):
+    """Our training forward for query rows ``rows`` against all keys."""
+    q, qi, wi, rv = inp["q"][rows], inp["qi"][rows], inp["wi"][rows], vis.rows(rows)
     with torch.no_grad():
         if mode == "rollout_matched":
-            idx = fp8_index.fp8_select_topk(inp["qi"], inp["ki"], inp["wi"], TOPK, vis.mask)
+            idx = fp8_index.fp8_select_topk(qi, inp["ki"], wi, TOPK, rv.mask)
             kv = fp8_kv.fake_quant_kv(inp["kv"])
         else:
-            idx = ix.select_topk(inp["qi"], inp["ki"], inp["wi"], TOPK, vis, check=False)
+            idx = ix.select_topk(qi, inp["ki"], wi, TOPK, rv, check=False)
             kv = inp["kv"]
-        o, _ = sparse_mla(inp["q"], kv, idx[:, None, :].contiguous(), SM_SCALE, d_v=LAT)
+        o, _ = sparse_mla(q, kv, idx[:, None, :].contiguous(), SM_SCALE, d_v=LAT)
         y = value_up_projection(o, inp["up_v"].to(o.dtype))
-    return idx, logprobs(y, inp)
+    return idx, logprobs(y, inp, rows)
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -94,33 +116,60 @@ def agreement(a: torch.Tensor, b: torch.Tensor, chunk: int = 1024) -> torch.Tens
     return torch.cat(out)
 
 
+def _key(r: dict) -> tuple:
+    return (r.get("width", "tiny"), r["T"])  # rows written before --width are the tiny layer's
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` without the (width, T) that ``new`` measures, plus ``new``; tiny before full, then T, bf16 first."""
+    mine = {_key(r) for r in new}
+    rows = [r for r in old if _key(r) not in mine] + new
+    return sorted(rows, key=lambda r: (_key(r)[0] != "tiny", r["T"], r["mode"] != "bf16"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--width", choices=sorted(WIDTHS), default="tiny",
+                    help="tiny: 16 query heads (the tiny GLM-5.2-shaped model); full: GLM-5.x's 64")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="query rows evaluated, evenly strided over [0, T) (default: all T)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of --out this run does not measure (other width / T / row count)")
     ap.add_argument("--out", default="benchmarks/results/rollout_alignment.json")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    card = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    H = WIDTHS[args.width]
     rows = []
     for T in args.seq:
-        inp = make_inputs(T, dev)
+        inp = make_inputs(T, dev, H)
         vis = ix.Visibility.causal(T, device=dev)
+        sel = query_rows(T, args.rows, dev)
         t0 = time.perf_counter()
-        ridx, rlp = rollout_forward(inp, vis)
+        ridx, rlp = rollout_forward(inp, vis, sel)
+        t_roll = time.perf_counter() - t0
         for mode in ("bf16", "rollout_matched"):
-            tidx, tlp = train_forward(inp, vis, mode)
+            t1 = time.perf_counter()
+            tidx, tlp = train_forward(inp, vis, mode, sel)
             ag = agreement(tidx, ridx)
             d = (tlp - rlp).abs()
             rows.append(dict(mode=mode, T=T, topk_member_agreement=round(float(ag.mean()), 6),
                              rows_below_0_8=int((ag < 0.8).sum()), logprob_max_abs_diff=float(d.max()),
-                             logprob_mean_abs_diff=float(d.mean()),
-                             card=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"))
+                             logprob_mean_abs_diff=float(d.mean()), width=args.width, query_heads=H,
+                             query_rows=int(sel.shape[0]), card=card,
+                             seconds=round(t_roll + time.perf_counter() - t1, 1)))
             print(rows[-1], flush=True)
         print(f"T={T}: {time.perf_counter() - t0:.1f} s", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"{'mode':16} {'T':>6} {'agree':>9} {'rows<0.8':>8} {'lp max':>10} {'lp mean':>10}")
+    out = Path(args.out)
+    if args.merge and out.exists():
+        rows = merge_rows(json.loads(out.read_text()), rows)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"{'mode':16} {'width':5} {'T':>6} {'rows':>6} {'agree':>9} {'rows<0.8':>8} {'lp max':>10} {'lp mean':>10}")
     for r in rows:
-        print(f"{r['mode']:16} {r['T']:6d} {r['topk_member_agreement']:9.6f} {r['rows_below_0_8']:8d} "
+        print(f"{r['mode']:16} {r.get('width', 'tiny'):5} {r['T']:6d} {r.get('query_rows', r['T']):6d} "
+              f"{r['topk_member_agreement']:9.6f} {r['rows_below_0_8']:8d} "
               f"{r['logprob_max_abs_diff']:10.3e} {r['logprob_mean_abs_diff']:10.3e}")
     return 0
 
