@@ -144,3 +144,21 @@ def test_fp8_scores_track_bf16_scores():
     got = f8.fp8_index_scores(q, k, w)
     assert not torch.equal(got, ref)  # FP8 rounding is visible
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_zero_query_row_scores_zero_and_selects_visible_keys_in_index_order_then_minus_one():
+    # a zero row of q (and a zero key) quantises with the floor scale 2**-22 to exact zeros: every
+    # score is 0, not NaN, so the row takes its visible keys lowest index first and -1 after them
+    torch.manual_seed(4)
+    T, Hi = 6, 2
+    q = torch.randn(T, Hi, 128).to(torch.bfloat16)
+    q[4] = 0
+    k = torch.randn(T, 128).to(torch.bfloat16)
+    k[2] = 0
+    w = torch.rand(T, Hi)
+    sc = f8.fp8_index_scores(q, k, w)
+    assert torch.isfinite(sc).all()
+    assert (sc[4] == 0).all() and (sc[:, 2] == 0).all()
+    got = f8.fp8_select_topk(q, k, w, 8, ix.Visibility.causal(T).mask)
+    assert got[4].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
+    assert got[1].tolist()[2:] == [-1] * 6 and sorted(got[1, :2].tolist()) == [0, 1]
