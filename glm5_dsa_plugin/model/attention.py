@@ -68,10 +68,11 @@ class GLM5DSAIndexer(MegatronModule):
                  pg_collection: Optional[ProcessGroupCollection] = None) -> None:
         super().__init__(config=config)
         c = self.config
-        self.n_heads, self.head_dim, self.topk = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim, c.dsa_indexer_topk
-        self.rope_dim = c.qk_pos_emb_head_dim
-        self.rope_interleaved = bool(c.dsa_indexer_rope_interleaved)
         check_dsa_config(c)
+        self.geometry = g = dsa_geometry(c)
+        self.n_heads, self.head_dim, self.topk = g.indexer_heads, g.indexer_head_dim, g.topk
+        self.rope_dim = c.qk_pos_emb_head_dim
+        self.rope_interleaved = g.rope_interleaved
         self.precision = rollout_numerics.indexer_precision(c)  # "bf16" or "fp8" (the rollout's scoring)
         q_lora_rank = c.q_lora_rank if c.q_lora_rank is not None else c.hidden_size
         common = dict(config=c, init_method=c.init_method, bias=False, skip_bias_add=False,
