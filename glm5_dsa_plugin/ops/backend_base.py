@@ -86,6 +86,13 @@ class Backend:
         restating a backend's layout. The default keeps (kv, indices) as the caller passed them."""
         return {"kv": prob.batch * prob.seq_len_kv * prob.kv_groups * prob.d_qk * itemsize, "indices": 0}
 
+    def backward_bytes(self, prob: Problem, itemsize: int) -> dict[str, int]:
+        """Bytes :meth:`backward_saved` allocates for a call of ``prob`` (q / kv elements of
+        ``itemsize`` bytes) besides dq, by tensor; an upper bound where it depends on the call.
+        ``dkv``: the returned kv gradient; other names are the backend's own scratch. The default
+        counts the kv gradient only."""
+        return {"dkv": prob.batch * prob.seq_len_kv * prob.kv_groups * prob.d_qk * itemsize}
+
     def deterministic_variant(self, device: torch.device | None = None) -> "Backend":
         """The backend whose backward is bitwise reproducible on ``device``, or a ValueError
         saying why there is none."""

@@ -151,17 +151,29 @@ def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes:
     return parts
 
 
-def _sparse_mla_saved_bytes(card: dict, H: int, S_loc: int, T: int) -> dict[str, int]:
-    """What the TileLang backend keeps from a layer's sparse-MLA forward for its backward, by
-    tensor (``Backend.saved_bytes``): S_loc local query rows of H heads against the T gathered
-    latent rows (one kv group), bf16."""
-    from ..ops.backends import get_backend
+def _sparse_mla_problem(card: dict, H: int, S_loc: int, T: int):
+    """A layer's sparse-MLA call: S_loc local query rows of H heads against the T gathered latent
+    rows (one kv group)."""
     from ..ops.contract import Problem
 
     d_v = card["kv_lora_rank"]
-    prob = Problem(batch=1, seq_len=S_loc, seq_len_kv=T, heads=H, kv_groups=1, topk=card["index_topk"],
+    return Problem(batch=1, seq_len=S_loc, seq_len_kv=T, heads=H, kv_groups=1, topk=card["index_topk"],
                    d_qk=d_v + card["qk_rope_head_dim"], d_v=d_v, sm_scale=1.0)  # (the scale sizes nothing)
-    return get_backend("tilelang").saved_bytes(prob, itemsize=2)
+
+
+def _sparse_mla_saved_bytes(card: dict, H: int, S_loc: int, T: int) -> dict[str, int]:
+    """What the TileLang backend keeps from a layer's sparse-MLA forward for its backward, by
+    tensor (``Backend.saved_bytes``), bf16."""
+    from ..ops.backends import get_backend
+
+    return get_backend("tilelang").saved_bytes(_sparse_mla_problem(card, H, S_loc, T), itemsize=2)
+
+
+def _sparse_mla_backward_bytes(card: dict, H: int, S_loc: int, T: int) -> dict[str, int]:
+    """What the TileLang backend's backward allocates besides dq, by tensor (``Backend.backward_bytes``)."""
+    from ..ops.backends import get_backend
+
+    return get_backend("tilelang").backward_bytes(_sparse_mla_problem(card, H, S_loc, T), itemsize=2)
 
 
 def attention_activation_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool) -> int:
@@ -197,7 +209,8 @@ def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: 
     topk = dict(keys=rows * T * 8, topk_out=rows * K * 16) if computes else {}
     loss = dict(logits=S_loc * K * 4, target=S_loc * K * 4, kl_block=min(S_loc, 4096) * K * 4 * 4) if computes else {}
     backward = dict(d_out=S_loc * H * card["kv_lora_rank"] * 2,
-                    dkv=(T + 1) * dq * (4 + 2) + T * dq * 2 * reorder, repair_acc=(T + 1) * dq * 4,
+                    dkv=sum(_sparse_mla_backward_bytes(card, H, S_loc, T).values()) + T * dq * 2 * reorder,
+                    repair_acc=(T + 1) * dq * 4,
                     dq=S_loc * H * dq * 2, indexer_dk=(T * Di * (4 + 2 * (1 + reorder))) * computes,
                     guard_pending=_guard_pending_bytes(card, H, S_loc, T))
     return dict(gather=gather, topk=topk, indexer_loss=loss, backward=backward)

@@ -21,3 +21,18 @@ def test_tilelang_saved_bytes_follow_its_choices():
     assert grouped["key_lists"] == 25 * 4 * 2048 * 5 and grouped["key_list_extent"] == 25 * 4
     assert TileLangBackend(row_groups=False).saved_bytes(_prob(16, 2048), 2)["key_lists"] == 0
     assert TileLangBackend()._with_choices(safe=False).saved_bytes(_prob(64, 2048), 2)["kv"] == 300 * 576 * 2
+
+
+def test_tilelang_backward_bytes():
+    be = TileLangBackend()
+    # fp32 accumulator with the sentinel row, the result in kv's dtype; no slot buffer outside deterministic mode
+    assert be.backward_bytes(_prob(64, 2048), 2) == {"dkv_fp32": 301 * 576 * 4, "dkv": 300 * 576 * 2}
+    det = TileLangBackend(deterministic=True, slot_buffer_bytes=1 << 20)
+    one_block = 2048 * 576 * 4  # 64 heads: one tile per row, a row's 2048 slots of 576 fp32
+    assert det.backward_bytes(_prob(64, 2048), 2)["slot_buffer"] == one_block  # the buffer holds one row at least
+    big = TileLangBackend(deterministic=True, slot_buffer_bytes=1 << 40)
+    assert big.backward_bytes(_prob(64, 2048), 2)["slot_buffer"] == 100 * one_block  # never more than every row
+    mid = TileLangBackend(deterministic=True, slot_buffer_bytes=10 * one_block)
+    assert mid.backward_bytes(_prob(64, 2048), 2)["slot_buffer"] == 10 * one_block
+    # 16 heads: row groups of 4 rows (lists of 4 * 2048 slots) or one row per block, whichever is larger
+    assert big.backward_bytes(_prob(16, 2048), 2)["slot_buffer"] == 25 * 4 * one_block

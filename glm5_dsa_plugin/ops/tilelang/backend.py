@@ -189,6 +189,26 @@ class TileLangBackend(Backend):
         out["key_list_extent"] = B * groups * G * 4 if R > 1 else 0
         return out
 
+    def backward_bytes(self, prob: Problem, itemsize: int) -> dict[str, int]:
+        """As the Backend protocol: ``dkv_fp32``, the fp32 accumulator [B, T_kv + 1, G, Dqk] (the
+        sentinel row included; in deterministic mode the per-kv-row sums), ``dkv`` the result in
+        kv's dtype [B, T_kv, G, Dqk]; deterministic mode adds ``slot_buffer``, the per-slot
+        contributions of one chunk of query rows (at most ``slot_buffer_bytes``, or one row block
+        when that alone is larger; never more than every block at once)."""
+        B, G, Dqk = prob.batch, prob.kv_groups, prob.d_qk
+        kv_rows = prob.seq_len_kv + 1 if self._choices.safe else prob.seq_len_kv
+        out = {"dkv_fp32": B * kv_rows * G * Dqk * 4, "dkv": B * prob.seq_len_kv * G * Dqk * itemsize}
+        if self.deterministic:
+            _, R = self.rows_per_block(prob.heads_per_group)
+            one_row = (self._geometry(prob, BWD_MIN_HEADS)[2], 1)
+            buffers = []
+            for hg_pad, r in ((64 // R, R), one_row) if R > 1 else (one_row,):  # (row groups are chosen per call)
+                per_block = B * G * row_group_geometry(hg_pad, r)[1] * r * padded_topk(prob.topk) * Dqk * 4
+                n_blocks = -(-prob.seq_len // r)
+                buffers.append(min(max(self.slot_buffer_bytes, per_block), n_blocks * per_block))
+            out["slot_buffer"] = max(buffers)
+        return out
+
     def row_extent(self, saved) -> torch.Tensor:
         """int32 [B, T, G] from :meth:`forward_saving`'s ``saved``: 1 + the last valid slot of each
         query row and kv group, 0 for a row without any (what the guard's forward check needs to
