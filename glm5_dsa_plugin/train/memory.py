@@ -16,7 +16,7 @@ Terms:
   both moments in the parameter's dtype (2 + 4 B).
 * ``activations``: what each layer keeps for its backward, per micro batch, times the micro
   batches in flight on the stage under 1F1B (``min(pp - stage, micro_batches)``); see
-  :func:`layer_kept_parts`.
+  :func:`layer_kept_parts` and :func:`stage_kept_parts` (the shared top-k, the final norm).
 * ``transient``: the largest short-lived allocation of one layer (the DSA layer's largest phase,
   which holds the guard's and the kernels' workspaces, or the MoE dispatch buffers) and, on the
   last stage, the logits and the loss.
@@ -93,21 +93,35 @@ def lora_params_per_layer(card: dict, dim: int, tp: int, include_indexer: bool =
 
 def layer_kept_parts(card: dict, tp: int, cp: int, seq: int, micro_batch: int, is_moe: bool, computes: bool,
                      training: Training, ep: int = 1, cp_layout: str = "zigzag") -> dict[str, int]:
-    """Bytes one layer keeps for its backward per micro batch on one rank (bf16 unless noted).
+    """Bytes one layer keeps for its backward per micro batch on one rank (bf16 unless noted), as
+    megatron-core's local modules and torch keep them (counted on the tiny card with
+    ``torch.autograd.graph.saved_tensors_hooks`` in ``tests/train/test_planner_memory.py``; norms
+    as torch's fused CUDA ``rms_norm`` keeps them: its bf16 input and an fp32 rstd per row). A
+    frozen local linear keeps nothing of its input; a LoRA adapter keeps the input and its rank-wide
+    intermediate.
 
-    * ``attention``: the DSA core's kept tensors (:func:`.planner.attention_activation_parts`) per
-      sequence, times ``micro_batch``;
-    * ``projections``: the MLA projections' kept tensors: the layer input and the normalised input
-      (``2 h``), the query and kv latents before and after their norms (``2 q_lora + 2 (kv_lora + dr)``)
-      and the query heads before absorption (``H / tp * (dn + dr)``);
-    * ``mlp`` (dense): the SwiGLU input ``2 ffn / tp`` (and its output ``ffn / tp`` and the fc1 input
-      ``h`` when the MLP trains);
-    * ``moe``: the residual after attention and its norm (``2 h``), the router's fp32 scores
-      (``E``, twice), the experts' SwiGLU inputs at the router's top-k (``k * 2 moe_ffn``, every
-      token copy once over the EP group: ``t * k`` copies per rank), the routed outputs kept by the
-      unpermute for the probabilities' gradient (``k h``) and the shared expert's SwiGLU input;
+    * ``attention``: the DSA core's kept tensors (:func:`.planner.attention_activation_parts`, the
+      indexer's only when it trains) per sequence, times ``micro_batch``;
+    * ``projections``: the layer input and the normalised input (``2 h``), the query latent before
+      and after its norm (``2 q_lora``), the kv latent with its RoPE part (``kv_lora + dr``, one
+      tensor: the kv norm keeps a view of it), the query heads before absorption
+      (``H / tp * (dn + dr)``, kept by the absorbing matmul), RoPE's cos / sin of q and k
+      (``4 dr``), three norms' fp32 rstd and, under LoRA, each called adapter's rank-wide
+      intermediate (q_down, q_up, kv_down, proj; kv_up is absorbed into the weights);
+    * ``mlp`` (dense): the pre-MLP norm's input (``h``) and rstd, the SwiGLU input (``2 ffn / tp``),
+      the activation's two operands (``silu(x)`` and ``x_linear + offset``, ``2 ffn / tp``); when the
+      MLP trains also fc1's input (``h``) and fc2's input (``ffn / tp``);
+    * ``moe``: the pre-MLP norm's input and rstd, the router's input (``h``), the router's and the
+      dispatcher's fp32 scores, masks and int64 maps (``10 E + 32 k + 12`` bytes), per routed token
+      copy the expert's SwiGLU input, the activation's two operands and the activation scaled
+      by the routing probability (``5 moe_ffn``, every token copy once over the EP group: ``t * k``
+      copies per rank) and the shared expert's SwiGLU input and operands (``4 shared``); when the
+      experts train also their linears' inputs;
     * ``recompute="full"`` keeps the layer input only; ``"selective"`` drops the DSA core's q, out
       and lse (recomputed from the kept latents).
+
+    The top-k a computing layer shares with later layers (index sharing) and the final norm's
+    input on the last stage are per stage: :func:`stage_kept_parts`.
     """
     from .planner import attention_activation_parts
 
@@ -116,24 +130,47 @@ def layer_kept_parts(card: dict, tp: int, cp: int, seq: int, micro_batch: int, i
     t_sp = t // tp if tp > 1 else t
     if training.recompute == "full":
         return dict(layer_input=t_sp * h * 2)
-    attn = attention_activation_parts(card, tp, cp, seq, computes)
+    full = training.lora_dim is None
+    attn = attention_activation_parts(card, tp, cp, seq, computes, indexer_trains=full or training.lora_indexer)
     if training.recompute == "selective":
         for k in ("q", "out", "lse"):
             attn[k] = 0
     dn, dr = card["qk_nope_head_dim"], card["qk_rope_head_dim"]
     q_lat, kv_lat = card["q_lora_rank"], card["kv_lora_rank"] + dr
+    adapters = 0 if full else (4 + 3 * training.lora_indexer) * training.lora_dim * 2
     parts = dict(attention=sum(attn.values()) * micro_batch,
-                 projections=(2 * t_sp * h + 2 * t * q_lat + 2 * t * kv_lat + t * H // tp * (dn + dr)) * 2)
-    full = training.lora_dim is None
+                 projections=(2 * t_sp * h + 2 * t * q_lat + t * kv_lat + t * H // tp * (dn + dr) + 4 * t * dr) * 2
+                 + 3 * t * 4 + t * adapters)
     if not is_moe:
         ffn = card["intermediate_size"] // tp
-        parts["mlp"] = (2 * t_sp * h + 2 * t * ffn + (t * ffn + t_sp * h) * full) * 2
+        parts["mlp"] = (t_sp * h + 4 * t * ffn + (t_sp * h + t * ffn) * full) * 2 + t_sp * 4
     else:
         E, k, f = card["n_routed_experts"], card["num_experts_per_tok"], card["moe_intermediate_size"]
         shared = card.get("n_shared_experts", 0) * f // tp
-        parts["moe"] = (2 * t_sp * h * 2 + 2 * t * E * 4 + t * k * 2 * f * 2 + t * k * h * 2
-                        + t * 2 * shared * 2 + (t * k * (f + h) + t * (shared + h)) * 2 * full)
+        parts["moe"] = (2 * t_sp * h * 2 + t_sp * 4 + t * (10 * E + 32 * k + 12) + t * k * 5 * f * 2
+                        + t * 4 * shared * 2 + (t * k * (f + h) + t * (shared + h)) * 2 * full)
     return parts
+
+
+def stage_kept_parts(card: dict, tp: int, cp: int, seq: int, micro_batch: int, training: Training,
+                     computing_layers: int, last_stage: bool) -> dict[str, int]:
+    """Bytes a stage keeps per micro batch in flight besides its layers' own
+    (:func:`layer_kept_parts`):
+
+    * ``index_holder``: with index sharing (``index_topk_freq > 1``) each computing layer's top-k
+      [t, topk] int32 stays on the micro batch's carrier (``GLM5DSAttention._holder``) for the
+      layers that reuse it, outside autograd, and so under recompute too; without recompute the
+      same tensor is the computing layer's kept ``indices`` (0 here). Counted once per micro batch
+      in flight (a carrier per micro batch: its packed-sequence parameters or attention mask);
+    * ``final_norm``: on the last stage, the final norm's input [t, h] and its fp32 rstd, kept
+      outside megatron-core's recompute (the frozen output layer keeps nothing of its input)."""
+    h, topk = card["hidden_size"], card["index_topk"]
+    t = micro_batch * seq // cp
+    t_sp = t // tp if tp > 1 else t
+    sharing = card.get("index_topk_freq", 1) > 1
+    out = dict(index_holder=computing_layers * t * topk * 4 if sharing and training.recompute == "full" else 0)
+    out["final_norm"] = (t_sp * h * 2 + t_sp * 4) if last_stage else 0
+    return out
 
 
 def layer_transient_bytes(card: dict, tp: int, cp: int, seq: int, micro_batch: int, is_moe: bool, computes: bool,

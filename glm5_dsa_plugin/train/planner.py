@@ -118,7 +118,8 @@ def _layer_params(config, is_moe: bool, computes: bool, tp: int, ep: int) -> tup
     return _per_rank_params(layer, tp, ep)
 
 
-def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes: bool) -> dict[str, int]:
+def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes: bool,
+                               indexer_trains: bool = True) -> dict[str, int]:
     """Bytes one DSA layer keeps for backward per micro batch, by tensor, as the TileLang backend
     keeps them (bf16 activations, fp32 lse, int32 indices):
 
@@ -133,8 +134,14 @@ def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes:
     * ``indexer``: the indexer's q, k and weights in a layer that computes indices;
     * ``indexer_loss_grad``: the indexer loss's gradient wrt the selected-slot scores, [S_loc, K]
       fp32, the one tensor the loss keeps (computed in its forward);
+      both 0 when the indexer is frozen (``indexer_trains=False``: LoRA without ``--lora-indexer``):
+      its q / k / w then need no gradient, so neither the selected-slot scores nor the loss keep
+      anything for the backward;
     * ``value_out``: the value up-projection's output [S_loc, H * v_head_dim] (bf16), which the
-      output projection keeps."""
+      output projection keeps;
+    * ``guard_kv``: the gathered latent kv as the layer passed it [T, 576] (bf16), which the
+      guard's late-read forward flags keep until the layer's backward settles them (policy
+      ``fallback``, the default; ``ops.guard.run.run_forward``); 0 under ``raise`` or ``off``."""
     H = card["num_attention_heads"] // tp
     S_loc = seq // cp
     dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
@@ -145,10 +152,19 @@ def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes:
     parts["indices"] = S_loc * topk * 4 * computes + saved["indices"]
     parts["key_lists"] = saved["key_lists"]
     parts["indexer"] = ((S_loc * card["index_n_heads"] * card["index_head_dim"] * 2 + seq * card["index_head_dim"] * 2
-                         + S_loc * card["index_n_heads"] * 4) if computes else 0)
-    parts["indexer_loss_grad"] = S_loc * topk * 4 * computes
+                         + S_loc * card["index_n_heads"] * 4) if computes and indexer_trains else 0)
+    parts["indexer_loss_grad"] = S_loc * topk * 4 * computes * indexer_trains
     parts["value_out"] = S_loc * H * card["v_head_dim"] * 2
+    parts["guard_kv"] = seq * dq * 2 if _guard_holds_forward_inputs() else 0
     return parts
+
+
+def _guard_holds_forward_inputs() -> bool:
+    """Whether a recorded sparse-MLA forward's flags are read late, keeping its inputs until the
+    backward (``ops.guard.run.run_forward`` on CUDA under policy ``fallback``)."""
+    from ..ops.guard.config import cfg
+
+    return cfg.policy == "fallback"
 
 
 def _sparse_mla_problem(card: dict, H: int, S_loc: int, T: int):
@@ -334,9 +350,11 @@ def stage_memory(card: dict, stages: list[Stage], tp: int, pp: int, ep: int, cp:
             dense, expert = n_lora, 0
         parts = dict(weights=st.params_per_rank * 2, lora_weights=n_lora * 2)
         parts.update(mem.optimizer_bytes(dense, expert, training, tp, cp, ep, dp))
-        parts["activations"] = in_flight * sum(
+        parts["activations"] = in_flight * (sum(
             sum(mem.layer_kept_parts(card, tp, cp, seq, micro_batch, moe, comp, training, ep, cp_layout).values())
-            for moe, comp in layers)
+            for moe, comp in layers) + sum(mem.stage_kept_parts(card, tp, cp, seq, micro_batch, training,
+                                                                sum(comp for _, comp in layers),
+                                                                st.index == pp - 1).values()))
         transient = max(max(mem.layer_transient_bytes(card, tp, cp, seq, micro_batch, moe, comp, cp_layout,
                                                       ep).values()) for moe, comp in layers)
         if training.recompute == "full":  # one layer's activations rebuilt at a time in backward
@@ -357,7 +375,14 @@ def peak_bytes(m: mem.StageMemory) -> int:
     return m.total - min(p["transient"], p.get("logits_loss", 0))
 
 
-FRAGMENTATION = 0.05  # caching-allocator slack on top of the allocated peak
+# Caching-allocator slack on top of the allocated peak: segments that still hold a live block
+# cannot be returned, so a large late allocation (the loss's fp32 logits) needs memory beyond the
+# live tensors. Not countable from the code; set from the measured GLM-5.2 slice at 64K
+# (benchmarks/results/lora_slice.json): its fp32 logits (37.81 GiB) failed with 42.48 GiB of the
+# process in use while the plan's live tensors at that point came to 34.83 GiB, i.e. at least
+# 7.65 GiB beyond them; less the 2 GiB reserve that is at least 7.8% of the slice's planned
+# 72.65 GiB peak. 5% (the earlier value) let that run through the verdict.
+FRAGMENTATION = 0.08
 RESERVED_GIB = 2.0  # CUDA context, NCCL and library workspaces outside the model's tensors
 
 
