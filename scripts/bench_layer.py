@@ -295,6 +295,7 @@ def attach_own_replay(lay, cfg, x) -> None:
     """Record the layer's own top-k in one no-grad forward and attach it as the replay of every
     later forward (the carrier is the config: the benchmark passes no mask or packed params)."""
     from glm5_dsa_plugin.model import indexer_replay as ir
+    from glm5_dsa_plugin.model.dsa_fields import dsa_geometry
 
     rec = ir.IndexerTopkRecorder()
     ir.attach_indexer_topk_recorder(cfg, rec)
@@ -303,9 +304,9 @@ def attach_own_replay(lay, cfg, x) -> None:
     ir.attach_indexer_topk_recorder(cfg, None)
     T = x.shape[0]
     cu = torch.tensor([0, T])
-    replay = ir.pack_indexer_topk(rec.records(cu), cu, num_layers=cfg.num_layers, topk=cfg.dsa_indexer_topk,
-                                  topk_freq=cfg.dsa_indexer_topk_freq or 1,
-                                  skip_offset=cfg.dsa_indexer_skip_topk_offset or 0)
+    g = dsa_geometry(cfg)
+    replay = ir.pack_indexer_topk(rec.records(cu), cu, num_layers=cfg.num_layers, topk=g.topk,
+                                  topk_freq=g.topk_freq, skip_offset=g.skip_offset)
     ir.attach_indexer_replay(cfg, replay)
 
 

@@ -109,9 +109,10 @@ def ppo_loss(logp, roll: dict, clip: float = 0.2, kl_coef: float = 0.0) -> torch
 
 
 def _dsa_geometry(model) -> dict:
-    c = model.config
-    return dict(num_layers=c.num_layers, topk=c.dsa_indexer_topk, topk_freq=c.dsa_indexer_topk_freq or 1,
-                skip_offset=c.dsa_indexer_skip_topk_offset or 0)
+    from ..model.dsa_fields import dsa_geometry
+
+    g = dsa_geometry(model.config)
+    return dict(num_layers=model.config.num_layers, topk=g.topk, topk_freq=g.topk_freq, skip_offset=g.skip_offset)
 
 
 def record_indexer_topk(model, roll: dict, device) -> dict:
