@@ -208,7 +208,7 @@ def reset_index_holders(cfg):
 
 def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     """Each DSA part of our layer timed alone at the layer's shapes (fwd + bwd where it has one)."""
-    from glm5_dsa_plugin.model import indexer as ix
+    from glm5_dsa_plugin.model import indexer
     from glm5_dsa_plugin.ops import sparse_mla
 
     attn = lay.self_attention
@@ -218,7 +218,7 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     xs = x[:, 0].detach()
     qr = torch.randn(T, dims["q_lora_rank"], device=device, dtype=x.dtype, generator=gen)
-    vis = ix.Visibility.causal(T, device=device)
+    vis = indexer.Visibility.causal(T, device=device)
     out = {}
     with torch.no_grad():
         qi, ki, wi = core.indexer.qkw(xs, qr, vis.query_pos)
@@ -227,8 +227,8 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
         a, b, c = core.indexer.qkw(xs, qr, vis.query_pos)
         (a.float().sum() + b.float().sum() + c.float().sum()).backward()
     out["indexer"] = timed(indexer_proj, warmup, rep, device)
-    out["topk"] = timed(lambda: ix.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False), warmup, rep, device)
-    idx = ix.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False)
+    out["topk"] = timed(lambda: indexer.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False), warmup, rep, device)
+    idx = indexer.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False)
     q = (torch.randn(T, H, dqk, device=device, generator=gen) * 0.5).to(x.dtype).requires_grad_(True)
     kv = (torch.randn(T, 1, dqk, device=device, generator=gen) * 0.5).to(x.dtype).requires_grad_(True)
     g = torch.randn(T, H, dv, device=device, generator=gen).to(x.dtype)
@@ -242,15 +242,15 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     qil, kil, wil = (t.detach().requires_grad_(True) for t in (qi, ki, wi))
 
     def loss():
-        logits = ix.selected_scores(qil, kil, wil, idx)
-        ix.indexer_kl_loss(logits, q.detach(), kv.detach()[:, 0], idx, core.softmax_scale, 1e-3, lse=lse).backward()
+        logits = indexer.selected_scores(qil, kil, wil, idx)
+        indexer.indexer_kl_loss(logits, q.detach(), kv.detach()[:, 0], idx, core.softmax_scale, 1e-3, lse=lse).backward()
     out["indexer_loss"] = timed(loss, warmup, rep, device)
     return out
 
 
 def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
     """Ours vs megatron-core's layer as index-reusing layers handed the same top-k: output and grads."""
-    from glm5_dsa_plugin.model import indexer as ix
+    from glm5_dsa_plugin.model import indexer
 
     cfgs = {impl: make_config(dims, layer, impl, device, reuse=True) for impl in ("ours", "mcore_sparse")}
     torch.manual_seed(0)
@@ -265,7 +265,7 @@ def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
     x = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
     iq = torch.randn(T, 4, 32, device=device, generator=gen)
     ik, iw = torch.randn(T, 32, device=device, generator=gen), torch.randn(T, 4, device=device, generator=gen)
-    idx = ix.select_topk(iq, ik, iw, dims["index_topk"], ix.Visibility.causal(T, device=device))
+    idx = indexer.select_topk(iq, ik, iw, dims["index_topk"], indexer.Visibility.causal(T, device=device))
     grad = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
     res = {}
     for name, lay, cfg in (("ours", ours, cfgs["ours"]), ("mcore", theirs, cfgs["mcore_sparse"])):

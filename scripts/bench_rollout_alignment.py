@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from glm5_dsa_plugin.model import indexer as ix
+from glm5_dsa_plugin.model import indexer
 from glm5_dsa_plugin.model.value_projection import value_up_projection
 from glm5_dsa_plugin.ops import fp8_kv, sparse_mla
 from glm5_dsa_plugin.ops.indexer import fp8_index
@@ -65,7 +65,7 @@ def logprobs(y: torch.Tensor, inp: dict, rows: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, inp["tokens"][rows, None])[:, 0]
 
 
-def rollout_forward(inp: dict, vis: ix.Visibility, rows: torch.Tensor, chunk: int = 256):
+def rollout_forward(inp: dict, vis: indexer.Visibility, rows: torch.Tensor, chunk: int = 256):
     """Inference order: FP8 index -> top-k -> FP8 cache read -> sparse attention (fp32, output rounded to
     bf16) -> bf16 value up-projection. Query rows ``rows`` against all keys."""
     H = inp["q"].shape[1]
@@ -87,7 +87,7 @@ def rollout_forward(inp: dict, vis: ix.Visibility, rows: torch.Tensor, chunk: in
     return idx, logprobs(y, inp, rows)
 
 
-def train_forward(inp: dict, vis: ix.Visibility, mode: str, rows: torch.Tensor):
+def train_forward(inp: dict, vis: indexer.Visibility, mode: str, rows: torch.Tensor):
     """Our training forward for query rows ``rows`` against all keys."""
     q, qi, wi, rv = inp["q"][rows], inp["qi"][rows], inp["wi"][rows], vis.rows(rows)
     with torch.no_grad():
@@ -95,7 +95,7 @@ def train_forward(inp: dict, vis: ix.Visibility, mode: str, rows: torch.Tensor):
             idx = fp8_index.fp8_select_topk(qi, inp["ki"], wi, TOPK, rv.mask)
             kv = fp8_kv.fake_quant_kv(inp["kv"])
         else:
-            idx = ix.select_topk(qi, inp["ki"], wi, TOPK, rv, check=False)
+            idx = indexer.select_topk(qi, inp["ki"], wi, TOPK, rv, check=False)
             kv = inp["kv"]
         o, _ = sparse_mla(q, kv, idx[:, None, :].contiguous(), SM_SCALE, d_v=LAT)
         y = value_up_projection(o, inp["up_v"].to(o.dtype))
@@ -144,7 +144,7 @@ def main() -> int:
     rows = []
     for T in args.seq:
         inp = make_inputs(T, dev, H)
-        vis = ix.Visibility.causal(T, device=dev)
+        vis = indexer.Visibility.causal(T, device=dev)
         sel = query_rows(T, args.rows, dev)
         t0 = time.perf_counter()
         ridx, rlp = rollout_forward(inp, vis, sel)

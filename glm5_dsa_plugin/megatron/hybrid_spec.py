@@ -47,7 +47,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from ..checkpoints import cards
 from ..checkpoints import hybrid_pattern as hp
-from ..model import cp_layout as cpx
+from ..model import cp_layout
 from ..model.attention import GLM5DSAttention
 from ..model.dsa_fields import dsa_geometry
 from . import config_source
@@ -81,7 +81,7 @@ def hybrid_layer_pattern_of(config) -> str:
 
 
 def _cp_layout() -> str:
-    return cpx.layout_from_args(_training_args())
+    return cp_layout.layout_from_args(_training_args())
 
 
 class GLM5HybridDSAttention(GLM5DSAttention):

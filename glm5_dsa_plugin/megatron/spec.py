@@ -39,7 +39,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from ..model import cp_layout as cpx
+from ..model.cp_layout import layout_from_args
 from ..model.dsa_fields import dsa_geometry
 from . import config_source
 from ..model.attention import GLM5DSAIndexer, GLM5DSAIndexerSubmodules, GLM5DSAttention, GLM5DSAttentionSubmodules
@@ -236,7 +236,7 @@ def _cp_layout(args, config) -> str:
     ``--allgather-cp`` (``args.allgather_cp``), else megatron-core's ``"zigzag"``. Under CP > 1 the
     contiguous layout also selects :class:`~glm5_dsa_plugin.model.contiguous_cp_mla.ContiguousCPAbsorbedMLA`
     (see :func:`dsa_attention_spec`), so q / k are rotated by the positions each rank holds."""
-    return cpx.layout_from_args(args)
+    return layout_from_args(args)
 
 
 def _prepare(args, config, vp_stage, pp_rank, mtp: bool = False):

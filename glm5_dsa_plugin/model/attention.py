@@ -32,8 +32,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
-from . import cp_layout as cpx
-from . import indexer as ix
+from .cp_layout import check_layout, indexer_loss_tracker_groups, shard
+from . import indexer
 from . import indexer_replay as replay_mod
 from . import rollout_numerics
 from .dsa_fields import check_dsa_config, dsa_geometry
@@ -94,18 +94,18 @@ class GLM5DSAIndexer(MegatronModule):
         k, _ = self.linear_wk(x)
         k = self._k_norm(k)
         w, _ = self.linear_weights_proj(x)
-        cos, sin = ix.rope_cos_sin(positions, self.rope_dim, self.config.rotary_base, dtype=q.dtype)
-        q = ix.apply_rope_first(q.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_interleaved)
-        k = ix.apply_rope_first(k.view(T, 1, self.head_dim), cos, sin, self.rope_interleaved)[:, 0]
+        cos, sin = indexer.rope_cos_sin(positions, self.rope_dim, self.config.rotary_base, dtype=q.dtype)
+        q = indexer.apply_rope_first(q.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_interleaved)
+        k = indexer.apply_rope_first(k.view(T, 1, self.head_dim), cos, sin, self.rope_interleaved)[:, 0]
         return q, k, w * self.n_heads**-0.5
 
-    def select_topk(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, vis: ix.Visibility) -> torch.Tensor:
-        """Top-k indices [T, topk] of the indexer scores: bf16 / fp32 (:func:`ix.select_topk`), or with
+    def select_topk(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, vis: indexer.Visibility) -> torch.Tensor:
+        """Top-k indices [T, topk] of the indexer scores: bf16 / fp32 (:func:`indexer.select_topk`), or with
         ``dsa_indexer_precision="fp8"`` the FP8 scores of the rollout engines (Hadamard, e4m3, UE8M0
         scales); both highest first, ties to the lower key index, -1 last."""
         if self.precision == "fp8":
             return fp8_index.fp8_select_topk(q, k, w, self.topk, vis.mask)
-        return ix.select_topk(q, k, w, self.topk, vis, check=False)
+        return indexer.select_topk(q, k, w, self.topk, vis, check=False)
 
     def _k_norm(self, k: torch.Tensor) -> torch.Tensor:
         """LayerNorm of the indexer key; on fp32 inputs (result cast back) with ``dsa_indexer_k_norm_fp32``."""
@@ -169,7 +169,7 @@ class GLM5DSAttention(MegatronModule):
         self.cp_comm_type = cp_comm_type
         self.cp_layout = cp_layout  # allgather CP layout: "zigzag" (megatron-core) or "contiguous" (slime)
         if get_pg_size(getattr(pg_collection, "cp", None)) > 1:
-            cpx.check_layout(cp_layout, cp_comm_type)
+            check_layout(cp_layout, cp_comm_type)
 
     # ---------------------------------------------------------------- helpers
     def _carrier(self, packed_seq_params, attention_mask):
@@ -221,24 +221,24 @@ class GLM5DSAttention(MegatronModule):
             raise ValueError(f"packed THD input must have batch 1, got {b}")
         # ---- context parallel (allgather CP): queries stay local; kv and indexer keys are gathered
         # into global packed order below, so indices are rows of the gathered kv
-        shard = None
+        cp_shard = None
         if cp > 1:  # one shard per micro batch, shared by its layers (on the index-sharing holder's carrier)
             shards = self._holder(packed_seq_params, attention_mask, self._CP_SHARDS_ATTR)
             shard_key = (id(cp_group), self.cp_layout, s, b, query.device)
             if shard_key not in shards:
-                shards[shard_key] = cpx.shard(cp_group, self.cp_layout, s * b, batch=b, device=query.device,
+                shards[shard_key] = shard(cp_group, self.cp_layout, s * b, batch=b, device=query.device,
                                         cu_seqlens=packed_seq_params.cu_seqlens_q if packed else None,
                                         cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded if packed else None)
-            shard = shards[shard_key]
-            vis = shard.vis
+            cp_shard = shards[shard_key]
+            vis = cp_shard.vis
         # ----
         elif packed:
-            vis = ix.Visibility.from_cu_seqlens(packed_seq_params.cu_seqlens_q, device=query.device,
+            vis = indexer.Visibility.from_cu_seqlens(packed_seq_params.cu_seqlens_q, device=query.device,
                                                 cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded)
             if int(vis.query_seq.shape[0]) != s:
                 raise ValueError(f"cu_seqlens covers {vis.query_seq.shape[0]} tokens, query has {s}")
         else:
-            vis = ix.Visibility.from_cu_seqlens(torch.arange(b + 1) * s, device=query.device)
+            vis = indexer.Visibility.from_cu_seqlens(torch.arange(b + 1) * s, device=query.device)
 
         q = self._to_packed(query)  # [b*s, H, Dq]
         xs, qrs = self._hidden_rows(x, s, b), self._hidden_rows(qr, s, b)
@@ -264,8 +264,8 @@ class GLM5DSAttention(MegatronModule):
 
         if absorbed and self.kv_fp8_qat:  # the latent as the rollout's FP8 KV cache holds it (straight-through)
             kv_att = fake_quant_kv(kv_att)
-        if shard is not None:  # CP: the latent kv of the whole sequence set
-            kv_att = shard.gather(kv_att)
+        if cp_shard is not None:  # CP: the latent kv of the whole sequence set
+            kv_att = cp_shard.gather(kv_att)
 
         holder = self._holder(packed_seq_params, attention_mask)
         deterministic = self.switches.deterministic
@@ -281,8 +281,8 @@ class GLM5DSAttention(MegatronModule):
             if own_all or want_loss or replay.own_rows.numel():
                 # detached inputs, as in megatron-core: the indexer loss trains the indexer only, never the trunk
                 qi, ki, wi = self.indexer.qkw(xs.detach(), qrs.detach(), vis.query_pos)
-                if shard is not None:  # CP: the indexer keys of the whole sequence set
-                    ki = shard.gather(ki)
+                if cp_shard is not None:  # CP: the indexer keys of the whole sequence set
+                    ki = cp_shard.gather(ki)
             if own_all:
                 indices = self.indexer.select_topk(qi.detach(), ki.detach(), wi.detach(), vis)
             if replayed is not None:
@@ -301,7 +301,7 @@ class GLM5DSAttention(MegatronModule):
             if self.topk_freq > 1:  # only kept when later layers reuse them (index sharing)
                 holder[self.layer_number] = indices
             if want_loss:
-                index_logits = ix.selected_scores(qi, ki, wi, indices, deterministic=deterministic)
+                index_logits = indexer.selected_scores(qi, ki, wi, indices, deterministic=deterministic)
         else:
             if self.source_layer not in holder:
                 raise RuntimeError(
@@ -365,11 +365,11 @@ class GLM5DSAttention(MegatronModule):
             def reduce(t):
                 torch.distributed.all_reduce(t, group=tp_group)
                 return t
-        loss = ix.indexer_kl_loss(index_logits, q_att.detach(), kv_att.detach(), indices,
+        loss = indexer.indexer_kl_loss(index_logits, q_att.detach(), kv_att.detach(), indices,
                                   self.softmax_scale, self.config.dsa_indexer_loss_coeff, head_sum_reduce=reduce,
                                   lse=lse.detach())
         if torch.cuda.is_available():  # CP: each rank's loss covers its query rows; the log averages them
-            groups = cpx.indexer_loss_tracker_groups(getattr(self.pg_collection, "cp", None),
+            groups = indexer_loss_tracker_groups(getattr(self.pg_collection, "cp", None),
                                                      bool(getattr(self.config, "calculate_per_token_loss", False)))
             DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, self.config.num_layers, **groups)
         self.last_indexer_loss = loss.detach()

@@ -27,7 +27,7 @@ import torch
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from . import cp_layout as cpx
+from . import cp_layout
 
 __all__ = ["ContiguousCPAbsorbedMLA"]
 
@@ -103,7 +103,7 @@ class ContiguousCPAbsorbedMLA(AbsorbedMLASelfAttention):
         if self.config.sequence_parallel and get_pg_size(self.tp_group) > 1:
             rows *= get_pg_size(self.tp_group)  # q / k hold every row of the CP shard
         if packed_seq_params is None:
-            return cpx.positions_in_sequence("contiguous", cp, rank, rows, batch=1)
+            return cp_layout.positions_in_sequence("contiguous", cp, rank, rows, batch=1)
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"ContiguousCPAbsorbedMLA: packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}, "
                              f"expected 'thd' (or no packed_seq_params for bshd)")
@@ -114,7 +114,7 @@ class ContiguousCPAbsorbedMLA(AbsorbedMLASelfAttention):
                 packed_seq_params.cu_seqlens_kv.cpu(), packed_seq_params.cu_seqlens_q.cpu()):
             raise ValueError("ContiguousCPAbsorbedMLA: self-attention needs cu_seqlens_kv == cu_seqlens_q, got "
                              f"{packed_seq_params.cu_seqlens_kv.tolist()} and {packed_seq_params.cu_seqlens_q.tolist()}")
-        return cpx.positions_in_sequence("contiguous", cp, rank, rows, cu_seqlens=packed_seq_params.cu_seqlens_q,
+        return cp_layout.positions_in_sequence("contiguous", cp, rank, rows, cu_seqlens=packed_seq_params.cu_seqlens_q,
                                          cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, packed_seq_params=None,

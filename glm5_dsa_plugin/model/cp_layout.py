@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import indexer as ix
+from . import indexer
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -197,7 +197,7 @@ class Shard:
     layout: str
     rows: torch.Tensor
     order: Optional[torch.Tensor]
-    vis: ix.Visibility
+    vis: indexer.Visibility
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[T_loc, ...] local rows -> [T, ...] global packed order (autograd: reduce-scatter back)."""
@@ -214,7 +214,7 @@ def shard(group, layout: str, local_tokens: int, batch: int = 1, cu_seqlens: Opt
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     total = cp * local_tokens
     if cu_seqlens is None:
-        vis = ix.Visibility.from_cu_seqlens(torch.arange(batch + 1) * (total // batch), device=device)
+        vis = indexer.Visibility.from_cu_seqlens(torch.arange(batch + 1) * (total // batch), device=device)
         bounds = units(layout, total, batch)
     else:
         extent = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
@@ -223,7 +223,7 @@ def shard(group, layout: str, local_tokens: int, batch: int = 1, cu_seqlens: Opt
             name = "cu_seqlens_q_padded" if cu_seqlens_padded is not None else "cu_seqlens_q"
             raise ValueError(f"CP={cp}: {name}[-1] = {covered} global tokens, but this rank holds {local_tokens} "
                              f"rows ({total} over the CP group); cu_seqlens must describe the global packed sequence")
-        vis = ix.Visibility.from_cu_seqlens(cu_seqlens, device=device, cu_seqlens_padded=cu_seqlens_padded)
+        vis = indexer.Visibility.from_cu_seqlens(cu_seqlens, device=device, cu_seqlens_padded=cu_seqlens_padded)
         bounds = units(layout, total, cu_seqlens=extent)
     rows = local_rows(bounds, cp, rank, layout)
     order = gather_order(bounds, cp, layout)

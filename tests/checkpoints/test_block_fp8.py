@@ -147,12 +147,12 @@ def test_conversion_streams_one_tensor_at_a_time(checkpoints):
 def test_launcher_loads_the_fp8_checkpoint(checkpoints, megatron_single_process):
     """The launchers' ``--hf`` path (load_hf_checkpoint into the spec model) gives the model the bf16
     reference's weights."""
-    from glm5_dsa_plugin.train import core as launcher
+    from glm5_dsa_plugin.train import core
 
     _, fp8_dir, bf16_dir, _ = checkpoints
-    args = launcher.base_parser("t").parse_args(["--hf", str(fp8_dir), "--backend", "reference", "--device", "cpu"])
-    card = launcher.load_card_from_args(args)
-    model = launcher.build_model(args, card, launcher.model_config(args, card), mtp=True)
+    args = core.base_parser("t").parse_args(["--hf", str(fp8_dir), "--backend", "reference", "--device", "cpu"])
+    card = core.load_card_from_args(args)
+    model = core.build_model(args, card, core.model_config(args, card), mtp=True)
     want = conversion.hf_to_megatron(conversion.LazyHFCheckpoint(bf16_dir), card)
     state = model.state_dict()
     assert "mtp.layers.0.eh_proj.weight" in want

@@ -108,10 +108,10 @@ def _hf_run(model, tok):
 
 def _our_run(model, tok):
     """Our logits and each computing layer's top-k, per 1-indexed layer number: [B*S, k] packed."""
-    from glm5_dsa_plugin.model import indexer as ix
+    from glm5_dsa_plugin.model import indexer
     from glm5_dsa_plugin.model.attention import GLM5DSAttention
 
-    selected, real = {}, ix.select_topk
+    selected, real = {}, indexer.select_topk
     layer = {}
 
     def pre(mod, args):
@@ -123,14 +123,14 @@ def _our_run(model, tok):
         return out
 
     hooks = [m.register_forward_pre_hook(pre) for m in model.modules() if isinstance(m, GLM5DSAttention)]
-    ix.select_topk = spy
+    indexer.select_topk = spy
     try:
         model.eval()
         with torch.no_grad():
             B, S = tok.shape
             logits = model(tok, torch.arange(S)[None].expand(B, S), None)
     finally:
-        ix.select_topk = real
+        indexer.select_topk = real
         for h in hooks:
             h.remove()
     return logits, selected

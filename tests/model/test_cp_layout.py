@@ -4,7 +4,7 @@ slime's ``--allgather-cp`` slicing; the gather permutation against megatron-core
 import pytest
 import torch
 
-from glm5_dsa_plugin.model import cp_layout as cpx
+from glm5_dsa_plugin.model import cp_layout
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 CPU = torch.device("cpu")
@@ -17,15 +17,15 @@ def test_zigzag_thd_matches_megatron(cp, lens):
 
     cu = torch.tensor([0] + lens).cumsum(0)
     T = int(cu[-1])
-    bounds = cpx.units("zigzag", T, cu_seqlens=cu)
+    bounds = cp_layout.units("zigzag", T, cu_seqlens=cu)
     for rank in range(cp):
         ref = dsa_layout.build_packed_allgather_cp_local_positions(cu, cp, rank, CPU, output_size=T // cp,
                                                                    cu_seqlens_cover_output=True)
-        assert torch.equal(cpx.local_rows(bounds, cp, rank, "zigzag"), ref)
+        assert torch.equal(cp_layout.local_rows(bounds, cp, rank, "zigzag"), ref)
     _, reorder = dsa_layout.build_packed_allgather_cp_query_positions_and_key_reorder(
         cu, cu, cp, 0, CPU, local_output_size=T // cp, global_output_size=T, query_cu_seqlens_cover_output=True,
         key_cu_seqlens_cover_output=True)
-    assert torch.equal(cpx.gather_order(bounds, cp, "zigzag"), reorder)
+    assert torch.equal(cp_layout.gather_order(bounds, cp, "zigzag"), reorder)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -33,44 +33,44 @@ def test_zigzag_bshd_matches_megatron(cp):
     from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
     S, b = 32, 3
-    bounds = cpx.units("zigzag", S * b, batch=b)
+    bounds = cp_layout.units("zigzag", S * b, batch=b)
     for rank in range(cp):
         pos = dsa_layout.build_zigzag_cp_local_positions(S, cp, rank, CPU)
         ref = torch.cat([i * S + pos for i in range(b)])  # [s_loc, b] flattened batch-major
-        assert torch.equal(cpx.local_rows(bounds, cp, rank, "zigzag"), ref)
-    one = cpx.units("zigzag", S, batch=1)
-    assert torch.equal(cpx.gather_order(one, cp, "zigzag"), dsa_layout.build_zigzag_allgather_cp_key_reorder(
+        assert torch.equal(cp_layout.local_rows(bounds, cp, rank, "zigzag"), ref)
+    one = cp_layout.units("zigzag", S, batch=1)
+    assert torch.equal(cp_layout.gather_order(one, cp, "zigzag"), dsa_layout.build_zigzag_allgather_cp_key_reorder(
         S // cp, cp, CPU))
 
 
 @pytest.mark.parametrize("cp", [2, 8])
 def test_contiguous_is_slime_chunk(cp):
     cu = torch.tensor([0, 13, 20, 40, 48])  # slime: the global pad is the last "sequence"
-    bounds = cpx.units("contiguous", 48, cu_seqlens=cu)
+    bounds = cp_layout.units("contiguous", 48, cu_seqlens=cu)
     stream = torch.arange(48)
     for rank in range(cp):
-        assert torch.equal(cpx.local_rows(bounds, cp, rank, "contiguous"), stream.chunk(cp)[rank])
-    assert cpx.gather_order(bounds, cp, "contiguous") is None  # rank-major gather is global order
+        assert torch.equal(cp_layout.local_rows(bounds, cp, rank, "contiguous"), stream.chunk(cp)[rank])
+    assert cp_layout.gather_order(bounds, cp, "contiguous") is None  # rank-major gather is global order
 
 
 def test_layout_errors_name_the_unit():
     cu = torch.tensor([0, 16, 28, 48])
     with pytest.raises(ValueError, match=r"unit 1 \[16, 28\) has length 12"):
-        cpx.local_rows(cpx.units("zigzag", 48, cu_seqlens=cu), 4, 0, "zigzag")
+        cp_layout.local_rows(cp_layout.units("zigzag", 48, cu_seqlens=cu), 4, 0, "zigzag")
     with pytest.raises(ValueError, match="cp_layout must be one of"):
-        cpx.check_layout("ring", "allgather")
+        cp_layout.check_layout("ring", "allgather")
     with pytest.raises(ValueError, match="cp_comm_type='p2p'"):
-        cpx.check_layout("zigzag", "p2p")
-    cpx.check_layout("contiguous", "p2p")  # slime's flag chooses the layout explicitly
+        cp_layout.check_layout("zigzag", "p2p")
+    cp_layout.check_layout("contiguous", "p2p")  # slime's flag chooses the layout explicitly
 
 
 def test_layout_from_slime_args():
     class Args:
         allgather_cp = True
 
-    assert cpx.layout_from_args(Args()) == "contiguous"
-    assert cpx.layout_from_args(object()) == "zigzag"
-    assert cpx.layout_from_args(None) == "zigzag"
+    assert cp_layout.layout_from_args(Args()) == "contiguous"
+    assert cp_layout.layout_from_args(object()) == "zigzag"
+    assert cp_layout.layout_from_args(None) == "zigzag"
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -94,17 +94,17 @@ def test_positions_in_sequence_thd(layout, cp):
             else:
                 rows = dsa_layout.build_packed_allgather_cp_local_positions(
                     extent, cp, rank, CPU, output_size=T // cp, cu_seqlens_cover_output=True)
-            got = cpx.positions_in_sequence(layout, cp, rank, T // cp, cu_seqlens=cu, cu_seqlens_padded=cu_pad)
+            got = cp_layout.positions_in_sequence(layout, cp, rank, T // cp, cu_seqlens=cu, cu_seqlens_padded=cu_pad)
             assert torch.equal(got, want_all[rows]), (real, padded, rank)
 
 
 def test_positions_in_sequence_bshd_and_errors():
     S, b, cp = 12, 2, 3
     for rank in range(cp):  # every row holds positions [rank * s_loc, (rank + 1) * s_loc)
-        got = cpx.positions_in_sequence("contiguous", cp, rank, b * S // cp, batch=b)
+        got = cp_layout.positions_in_sequence("contiguous", cp, rank, b * S // cp, batch=b)
         assert torch.equal(got, torch.arange(S).chunk(cp)[rank].repeat(b))
     with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 40 global tokens.*holds 16 rows \(32 over"):
-        cpx.positions_in_sequence("contiguous", 2, 0, 16, cu_seqlens=torch.tensor([0, 24, 40]))
+        cp_layout.positions_in_sequence("contiguous", 2, 0, 16, cu_seqlens=torch.tensor([0, 24, 40]))
 
 
 def test_spec_builds_contiguous_cp_mla_for_slime_layout(megatron_single_process):

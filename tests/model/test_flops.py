@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from glm5_dsa_plugin.model import flops
-from glm5_dsa_plugin.model import indexer as ix
+from glm5_dsa_plugin.model import indexer
 
 # hidden 8, 2 heads, q_lora 4, kv_lora 4, nope 2, rope 2, v 2, indexer 2 x 4, top-k 3, ffn 6,
 # 4 experts of width 2, 2 per token, 1 shared
@@ -56,11 +56,11 @@ def test_model_counts_dense_then_moe_layers_index_sharing_logits_and_mtp():
 def test_pair_counts_equal_the_indexers_visibility_and_topk():
     lens = [7, 1, 12, 3]
     cu = torch.tensor([0, 7, 8, 20, 23])
-    vis = ix.Visibility.from_cu_seqlens(cu)
+    vis = indexer.Visibility.from_cu_seqlens(cu)
     assert flops.visible_pairs(lens) == int(vis.mask().sum())
     g = torch.Generator().manual_seed(0)
     q, k, w = torch.randn(23, 2, 8, generator=g), torch.randn(23, 8, generator=g), torch.randn(23, 2, generator=g)
-    idx = ix.select_topk(q, k, w, 4, vis)
+    idx = indexer.select_topk(q, k, w, 4, vis)
     assert flops.selected_pairs(lens, 4) == int((idx >= 0).sum())
 
 

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from glm5_dsa_plugin.model import indexer as ix
+from glm5_dsa_plugin.model import indexer
 
 pytestmark = pytest.mark.gpu
 
@@ -19,16 +19,16 @@ def test_triton_scores_and_topk_on_gpu(packed):
     q = torch.randn(T, Hi, Di, generator=g, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(T, Di, generator=g, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(T, Hi, generator=g, device="cuda", dtype=torch.bfloat16)
-    vis = (ix.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda") if packed
-           else ix.Visibility.causal(T, device="cuda"))
+    vis = (indexer.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda") if packed
+           else indexer.Visibility.causal(T, device="cuda"))
     rows = slice(0, 512)
     sub = vis.rows(torch.arange(512, device="cuda"))
     got = masked_index_scores(q[rows], k, w[rows], sub.query_seq, sub.query_pos, sub.qidx, sub.key_seq, sub.key_pos)
-    want = ix.index_scores(q[rows], k, w[rows]).masked_fill(~vis.mask(rows), float("-inf"))
+    want = indexer.index_scores(q[rows], k, w[rows]).masked_fill(~vis.mask(rows), float("-inf"))
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     fin = torch.isfinite(want)
     assert ((got[fin] - want[fin]).norm() / want[fin].norm()).item() < 1e-5
-    idx = ix.select_topk(q, k, w, 2048, vis)  # Triton path on CUDA; checked by check_topk inside
+    idx = indexer.select_topk(q, k, w, 2048, vis)  # Triton path on CUDA; checked by check_topk inside
     assert idx.shape == (T, 2048)
     from glm5_dsa_plugin.ops import indexer as indexer_kernels
 
@@ -44,11 +44,11 @@ def test_fused_topk_keys_equal_a_stable_sort_of_the_scores():
     q = torch.randn(T, Hi, Di, generator=g, device="cuda").to(torch.bfloat16)
     k = torch.randn(T, Di, generator=g, device="cuda").to(torch.bfloat16)
     w = torch.randn(T, Hi, generator=g, device="cuda").to(torch.bfloat16)
-    vis = ix.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda")
+    vis = indexer.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda")
     args = (q, k, w, vis.query_seq, vis.query_pos, vis.qidx, vis.key_seq, vis.key_pos)
     vals, order = torch.sort(masked_index_scores(*args), dim=-1, descending=True, stable=True)
     want = torch.where(vals[:, :K] == float("-inf"), -1, order[:, :K]).to(torch.int32)
-    assert torch.equal(ix.select_topk(q, k, w, K, vis, chunk_rows=1000), want)
+    assert torch.equal(indexer.select_topk(q, k, w, K, vis, chunk_rows=1000), want)
     assert ((want >= 0).sum(-1) < K).float().mean() > 0.4  # most rows see fewer than K keys: padding tested
 
 
@@ -60,7 +60,7 @@ def _glm5_indexer_inputs(seed: int):
     q = torch.randn(T, Hi, Di, generator=g, device="cuda").to(torch.bfloat16)
     k = torch.randn(T, Di, generator=g, device="cuda").to(torch.bfloat16)
     w = (torch.randn(T, Hi, generator=g, device="cuda") * Hi ** -0.5).to(torch.bfloat16)
-    idx = ix.select_topk(q, k, w, K, ix.Visibility.causal(T, device="cuda"))
+    idx = indexer.select_topk(q, k, w, K, indexer.Visibility.causal(T, device="cuda"))
     return q, k, w, idx, torch.randn(T, K, generator=g, device="cuda")
 
 
@@ -74,10 +74,10 @@ def _scores_and_grads(fn, q, k, w, idx, grad, dtype):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_selected_scores_kernels_match_reference_at_glm5_sizes(deterministic):
     q, k, w, idx, grad = _glm5_indexer_inputs(6)
-    kernel = functools.partial(ix.selected_scores, deterministic=deterministic)
+    kernel = functools.partial(indexer.selected_scores, deterministic=deterministic)
     s1, *g1 = _scores_and_grads(kernel, q, k, w, idx, grad, torch.bfloat16)
     # the reference runs on fp32 copies: its index backward would accumulate dk in k's dtype (bf16)
-    s2, *g2 = _scores_and_grads(ix.selected_scores_reference, q, k, w, idx, grad, torch.float32)
+    s2, *g2 = _scores_and_grads(indexer.selected_scores_reference, q, k, w, idx, grad, torch.float32)
     assert torch.equal(torch.isinf(s1), idx < 0) and torch.equal(torch.isinf(s2), idx < 0)
     v = idx >= 0
     assert ((s1[v] - s2[v]).norm() / s2[v].norm()).item() < 1e-5
@@ -90,11 +90,11 @@ def test_deterministic_selected_scores_backward_is_bitwise_reproducible():
     """The fixed-order dk: two backward passes agree bit for bit; dq and dw are the atomic path's
     bit for bit (same per-row programs), dk equals the atomic path's to summation order."""
     q, k, w, idx, grad = _glm5_indexer_inputs(9)
-    det = functools.partial(ix.selected_scores, deterministic=True)
+    det = functools.partial(indexer.selected_scores, deterministic=True)
     first, second = (_scores_and_grads(det, q, k, w, idx, grad, torch.bfloat16) for _ in range(2))
     for name, a, b in zip(("scores", "dq", "dk", "dw"), first, second):
         assert torch.equal(a, b), name
-    atomic = _scores_and_grads(ix.selected_scores, q, k, w, idx, grad, torch.bfloat16)
+    atomic = _scores_and_grads(indexer.selected_scores, q, k, w, idx, grad, torch.bfloat16)
     assert torch.equal(first[1], atomic[1]) and torch.equal(first[3], atomic[3])
     # k's grad is returned in bf16 by both: equal up to one rounding of differently ordered fp32 sums
     assert ((first[2] - atomic[2]).norm() / atomic[2].norm()).item() < 4e-3
@@ -107,13 +107,13 @@ def test_loss_target_from_lse_matches_reference_at_glm5_sizes():
     g = torch.Generator(device="cuda").manual_seed(7)
     q = (torch.randn(T, H, D, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
     kv = (torch.randn(T, 1, D, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
-    vis = ix.Visibility.causal(T, device="cuda")
-    idx = ix.select_topk(torch.randn(T, 4, 32, generator=g, device="cuda"), torch.randn(T, 32, generator=g,
+    vis = indexer.Visibility.causal(T, device="cuda")
+    idx = indexer.select_topk(torch.randn(T, 4, 32, generator=g, device="cuda"), torch.randn(T, 32, generator=g,
                          device="cuda"), torch.randn(T, 4, generator=g, device="cuda"), K, vis)
     scale = 256 ** -0.5
     _, lse = sparse_mla(q, kv, idx[:, None], scale, d_v=dv)
-    got = ix.attention_target(q, kv[:, 0], idx, scale, lse=lse)
-    want = ix.attention_target_reference(q, kv[:, 0], idx, scale, chunk_rows=256)
+    got = indexer.attention_target(q, kv[:, 0], idx, scale, lse=lse)
+    want = indexer.attention_target_reference(q, kv[:, 0], idx, scale, chunk_rows=256)
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     rows = (idx >= 0).any(-1)
     torch.testing.assert_close(got.sum(-1)[rows], torch.full_like(got.sum(-1)[rows], float(H)), rtol=1e-3, atol=0)

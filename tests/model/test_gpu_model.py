@@ -62,7 +62,7 @@ def test_glm5_indexer_geometry_trains_at_length(megatron_single_process, seq):
     keep loss and gradients finite while the LM loss falls."""
     from megatron.core.models.gpt import GPTModel
 
-    from glm5_dsa_plugin.model import indexer as ix
+    from glm5_dsa_plugin.model import indexer
     from glm5_dsa_plugin.megatron import spec
     from glm5_dsa_plugin.model.attention import GLM5DSAttention
 
@@ -74,15 +74,15 @@ def test_glm5_indexer_geometry_trains_at_length(megatron_single_process, seq):
     m = GPTModel(config=cfg, transformer_layer_spec=spec.get_glm5_dsa_spec(None, cfg), vocab_size=512,
                  max_sequence_length=seq, position_embedding_type="none").cuda().bfloat16()
     seen = []
-    real_select = ix.select_topk
+    real_select = indexer.select_topk
 
     def checked_select(*a, **kw):
         out = real_select(*a, **kw)
-        ix.check_topk(out, a[4])
+        indexer.check_topk(out, a[4])
         seen.append(float((out >= 0).all(-1).float().mean()))  # rows that see more keys than top-k
         return out
 
-    ix.select_topk = checked_select
+    indexer.select_topk = checked_select
     try:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         tok = torch.randint(0, 512, (1, seq), device="cuda")
@@ -99,7 +99,7 @@ def test_glm5_indexer_geometry_trains_at_length(megatron_single_process, seq):
             opt.step()
             losses.append(loss.item())
     finally:
-        ix.select_topk = real_select
+        indexer.select_topk = real_select
     assert seen and min(seen) > 0.4  # most rows choose 2048 of more visible keys
     ind = [mod.last_indexer_loss for mod in m.modules() if isinstance(mod, GLM5DSAttention)
            and getattr(mod, "last_indexer_loss", None) is not None]

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glm5_dsa_plugin.model import indexer as ix
+from glm5_dsa_plugin.model import indexer
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 
@@ -27,12 +27,12 @@ def brute_topk(scores, topk):
 def test_topk_bounds_ties_and_order(T, topk, levels, scale, seed):
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randint(0, levels, (T, T), generator=gen).float() * scale  # many exact ties
-    vis = ix.Visibility.causal(T)
+    vis = indexer.Visibility.causal(T)
     scores = scores.masked_fill(~vis.mask(), float("-inf"))
-    got = ix.deterministic_topk(scores, topk)
+    got = indexer.deterministic_topk(scores, topk)
     assert got.shape == (T, topk) and got.dtype == torch.int32
     assert torch.equal(got, brute_topk(scores, topk))
-    ix.check_topk(got, vis)
+    indexer.check_topk(got, vis)
     n_valid = (got >= 0).sum(-1)
     assert torch.equal(n_valid, torch.clamp(torch.arange(T) + 1, max=topk))
     # valid slots first
@@ -47,18 +47,18 @@ def test_key_topk_on_signed_scores_and_signed_zeros(T, topk, seed):
     gen = torch.Generator().manual_seed(seed)
     vals = torch.tensor([-3.0, -1e-30, -0.0, 0.0, 1e-30, 2.5, float("inf")])
     scores = vals[torch.randint(0, len(vals), (T, T), generator=gen)]
-    scores = scores.masked_fill(~ix.Visibility.causal(T).mask(), float("-inf"))
-    assert torch.equal(ix.deterministic_topk(scores, topk), brute_topk(scores, topk))
+    scores = scores.masked_fill(~indexer.Visibility.causal(T).mask(), float("-inf"))
+    assert torch.equal(indexer.deterministic_topk(scores, topk), brute_topk(scores, topk))
 
 
 def test_check_topk_rejects_bad_indices():
-    vis = ix.Visibility.causal(4)
+    vis = indexer.Visibility.causal(4)
     with pytest.raises(RuntimeError, match="index 4"):
-        ix.check_topk(torch.tensor([[0, -1], [0, 1], [2, 1], [3, 4]], dtype=torch.int32), vis)
+        indexer.check_topk(torch.tensor([[0, -1], [0, 1], [2, 1], [3, 4]], dtype=torch.int32), vis)
     with pytest.raises(RuntimeError, match="invisible to row 1"):
-        ix.check_topk(torch.tensor([[0, -1], [2, 1], [2, 1], [3, 0]], dtype=torch.int32), vis)
+        indexer.check_topk(torch.tensor([[0, -1], [2, 1], [2, 1], [3, 0]], dtype=torch.int32), vis)
     with pytest.raises(RuntimeError, match="twice in row 2"):
-        ix.check_topk(torch.tensor([[0, -1], [0, 1], [1, 1], [3, 0]], dtype=torch.int32), vis)
+        indexer.check_topk(torch.tensor([[0, -1], [0, 1], [1, 1], [3, 0]], dtype=torch.int32), vis)
 
 
 # --------------------------------------------------------------------------- HF parity
@@ -76,10 +76,10 @@ def _ours_from_hf(idxr, x, qr, positions, theta, interleaved=True):
     """Our functional indexer driven by the HF module's weights."""
     Hi, Di, r = idxr.n_heads, idxr.head_dim, idxr.qk_rope_head_dim
     T = x.shape[0]
-    cos, sin = ix.rope_cos_sin(positions, r, theta)
-    q = ix.apply_rope_first((qr @ idxr.wq_b.weight.T).view(T, Hi, Di), cos, sin, interleaved)
+    cos, sin = indexer.rope_cos_sin(positions, r, theta)
+    q = indexer.apply_rope_first((qr @ idxr.wq_b.weight.T).view(T, Hi, Di), cos, sin, interleaved)
     k = torch.nn.functional.layer_norm(x @ idxr.wk.weight.T, (Di,), idxr.k_norm.weight, idxr.k_norm.bias, 1e-6)
-    k = ix.apply_rope_first(k[:, None, :], cos, sin, interleaved)[:, 0]
+    k = indexer.apply_rope_first(k[:, None, :], cos, sin, interleaved)[:, 0]
     w = (x @ idxr.weights_proj.weight.T) * Hi**-0.5
     return q, k, w
 
@@ -112,13 +112,13 @@ def test_matches_hf_indexer_scores_and_selection(monkeypatch):
     hf_scores = captured["scores"][0]  # [T, T] with -inf above the diagonal
 
     q, k, w = _ours_from_hf(idxr, x[0], qr[0], pos[0], cfg.rope_parameters["rope_theta"])
-    vis = ix.Visibility.causal(T)
-    ours = ix.index_scores(q, k, w).masked_fill(~vis.mask(), float("-inf"))
+    vis = indexer.Visibility.causal(T)
+    ours = indexer.index_scores(q, k, w).masked_fill(~vis.mask(), float("-inf"))
     finite = torch.isfinite(hf_scores)
     assert torch.equal(finite, torch.isfinite(ours))
     torch.testing.assert_close(ours[finite], hf_scores[finite], rtol=1e-5, atol=1e-5)
 
-    our_idx = ix.select_topk(q, k, w, cfg.index_topk, vis)
+    our_idx = indexer.select_topk(q, k, w, cfg.index_topk, vis)
     for t in range(T):
         mine = our_idx[t][our_idx[t] >= 0].long()
         theirs = hf_idx[t].long()
@@ -128,7 +128,7 @@ def test_matches_hf_indexer_scores_and_selection(monkeypatch):
                                    rtol=1e-5, atol=1e-5)
     # the half-split convention gives other scores: the comparison above sees the RoPE convention
     q2, k2, w2 = _ours_from_hf(idxr, x[0], qr[0], pos[0], cfg.rope_parameters["rope_theta"], interleaved=False)
-    half = ix.index_scores(q2, k2, w2).masked_fill(~vis.mask(), float("-inf"))
+    half = indexer.index_scores(q2, k2, w2).masked_fill(~vis.mask(), float("-inf"))
     assert (half[finite] - hf_scores[finite]).abs().max() > 1e-2
 
 
@@ -144,8 +144,8 @@ def test_rope_conventions_equal_megatron_core(interleaved, megatron_single_proce
     x = torch.randn(T, H, D, dtype=torch.float64)
     freqs = RotaryEmbedding(r, rotary_percent=1.0, rotary_base=theta, use_cpu_initialization=True)(T)  # [T, 1, 1, r]
     rot = _apply_rotary_pos_emb_bshd(x[:, None, :, :r], freqs.double(), mla_rotary_interleaved=interleaved)[:, 0]
-    cos, sin = ix.rope_cos_sin(torch.arange(T), r, theta, dtype=torch.float64)
-    ours = ix.apply_rope_first(x, cos, sin, interleaved)
+    cos, sin = indexer.rope_cos_sin(torch.arange(T), r, theta, dtype=torch.float64)
+    ours = indexer.apply_rope_first(x, cos, sin, interleaved)
     torch.testing.assert_close(ours[..., :r], rot, rtol=1e-6, atol=1e-6)
     assert torch.equal(ours[..., r:], x[..., r:])
     # interleaved pairs (2j, 2j+1) rotate as complex numbers by angle t * theta ** (-2j / r) (cos/sin are fp32)
@@ -161,11 +161,11 @@ def test_thd_three_sequences_never_cross():
     cu = torch.tensor([0, 5, 17, 30])
     T, Hi, Di = 30, 3, 16
     q, k, w = torch.randn(T, Hi, Di), torch.randn(T, Di), torch.randn(T, Hi)
-    vis = ix.Visibility.from_cu_seqlens(cu)
-    idx = ix.select_topk(q, k, w, 8, vis)
+    vis = indexer.Visibility.from_cu_seqlens(cu)
+    idx = indexer.select_topk(q, k, w, 8, vis)
     for s in range(3):
         a, b = int(cu[s]), int(cu[s + 1])
-        sub = ix.select_topk(q[a:b], k[a:b], w[a:b], 8, ix.Visibility.causal(b - a))
+        sub = indexer.select_topk(q[a:b], k[a:b], w[a:b], 8, indexer.Visibility.causal(b - a))
         expect = torch.where(sub >= 0, sub + a, sub)
         assert torch.equal(idx[a:b], expect)
     assert int((idx[:5] >= 0).sum(-1).max()) == 5  # short sequence padded with -1
@@ -178,8 +178,8 @@ def test_context_parallel_split_agrees_with_full():
     cu = torch.tensor([0, 16, 40])
     T, Hi, Di, cp = 40, 2, 16, 2
     q, k, w = torch.randn(T, Hi, Di), torch.randn(T, Di), torch.randn(T, Hi)
-    vis = ix.Visibility.from_cu_seqlens(cu)
-    full = ix.select_topk(q, k, w, 6, vis)
+    vis = indexer.Visibility.from_cu_seqlens(cu)
+    full = indexer.select_topk(q, k, w, 6, vis)
     for rank in range(cp):
         rows = []
         for s in range(2):
@@ -188,18 +188,18 @@ def test_context_parallel_split_agrees_with_full():
             for c in (rank, 2 * cp - 1 - rank):
                 rows.append(torch.arange(a + c * chunk, a + (c + 1) * chunk))
         rows = torch.cat(rows)
-        local = ix.select_topk(q[rows], k, w[rows], 6, vis.rows(rows))
+        local = indexer.select_topk(q[rows], k, w[rows], 6, vis.rows(rows))
         assert torch.equal(local, full[rows])
 
 
 def test_index_sharing_pattern_matches_hf_and_guards_stage_starts():
     cfg = _hf_config(num_hidden_layers=12, index_topk_freq=4, index_skip_topk_offset=3)
-    ours = ["full" if ix.computes_indices(i + 1, 4, 3) else "shared" for i in range(12)]
+    ours = ["full" if indexer.computes_indices(i + 1, 4, 3) else "shared" for i in range(12)]
     assert ours == cfg.indexer_types
-    assert [ix.index_source_layer(L, 4, 3) for L in range(1, 13)] == [1, 2, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11]
-    ix.check_stage_layers(7, 12, 4, 3)
+    assert [indexer.index_source_layer(L, 4, 3) for L in range(1, 13)] == [1, 2, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11]
+    indexer.check_stage_layers(7, 12, 4, 3)
     with pytest.raises(ValueError, match="starting at layer 5 would reuse the DSA indices of layer 3"):
-        ix.check_stage_layers(5, 8, 4, 3)
+        indexer.check_stage_layers(5, 8, 4, 3)
 
 
 def test_indexer_loss_equals_megatron_core():
@@ -209,18 +209,18 @@ def test_indexer_loss_equals_megatron_core():
     T, H, D, K = 20, 4, 24, 6
     q, kv = torch.randn(T, H, D), torch.randn(T, D)
     iq, ik, iw = torch.randn(T, 2, 8), torch.randn(T, 8), torch.randn(T, 2)
-    vis = ix.Visibility.causal(T)
-    idx = ix.select_topk(iq, ik, iw, K, vis)
-    dense = ix.index_scores(iq, ik, iw).masked_fill(~vis.mask(), float("-inf"))
+    vis = indexer.Visibility.causal(T)
+    idx = indexer.select_topk(iq, ik, iw, K, vis)
+    dense = indexer.index_scores(iq, ik, iw).masked_fill(~vis.mask(), float("-inf"))
     logits = dense.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, float("-inf"))
-    ours = ix.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001)
+    ours = indexer.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001)
     pg = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
     theirs = compute_dsa_indexer_loss(dense[None].clone(), idx[None].long(), q[:, None], kv[:, None, None].expand(T, 1, H, D),
                                       0.2, 0.001, True, pg)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-9)
     # gradient flows to the indexer side only, and equals megatron-core's at the selected slots
     logits.requires_grad_(True)
-    ix.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001).backward()
+    indexer.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001).backward()
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
     dense_leaf = dense[None].clone().requires_grad_(True)
     compute_dsa_indexer_loss(dense_leaf * 1.0, idx[None].long(), q[:, None], kv[:, None, None].expand(T, 1, H, D),
@@ -250,14 +250,14 @@ def test_indexer_kl_gradient_in_row_blocks_scaled_by_the_upstream_gradient():
     (want * 2.5).backward()
     for rows in (3, 4096):
         x = logits.clone().requires_grad_(True)
-        got = ix.indexer_kl_loss_from_target(x, target.clone(), idx, 0.3, chunk_rows=rows)
+        got = indexer.indexer_kl_loss_from_target(x, target.clone(), idx, 0.3, chunk_rows=rows)
         torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-8)
         (got * 2.5).backward(retain_graph=True)
         torch.testing.assert_close(x.grad, leaf.grad, rtol=1e-5, atol=1e-8)
         with pytest.raises(RuntimeError, match="second backward"):
             got.backward()
     with torch.no_grad():  # no gradient asked: nothing kept, same value
-        torch.testing.assert_close(ix.indexer_kl_loss_from_target(logits, target, idx, 0.3, chunk_rows=5), want.detach(),
+        torch.testing.assert_close(indexer.indexer_kl_loss_from_target(logits, target, idx, 0.3, chunk_rows=5), want.detach(),
                                    rtol=1e-6, atol=1e-8)
 
 
@@ -273,6 +273,6 @@ def test_indexer_kl_keeps_one_tk_tensor_for_backward():
         kept.append(t)
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = ix.indexer_kl_loss_from_target(logits, torch.rand(T, K), idx, 0.1)
+        loss = indexer.indexer_kl_loss_from_target(logits, torch.rand(T, K), idx, 0.1)
     assert [(tuple(t.shape), t.dtype) for t in kept] == [((T, K), torch.float32)]
     loss.backward()

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from glm5_dsa_plugin.model import indexer as ix
+from glm5_dsa_plugin.model import indexer
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_rollout_alignment.py")
 _spec = importlib.util.spec_from_file_location("bench_rollout_alignment", _PATH)
@@ -55,14 +55,14 @@ def small(monkeypatch):
     """Top-k 16 over 80 keys: rows past 16 choose, the two indexer scorings disagree somewhere."""
     monkeypatch.setattr(bench, "TOPK", 16)
     T = 80
-    return T, bench.make_inputs(T, torch.device("cpu")), ix.Visibility.causal(T)
+    return T, bench.make_inputs(T, torch.device("cpu")), indexer.Visibility.causal(T)
 
 
 def test_rollout_matched_training_reproduces_the_rollout_and_bf16_does_not(small):
     T, inp, vis = small
     rows = bench.query_rows(T, None, "cpu")
     ridx, rlp = bench.rollout_forward(inp, vis, rows, chunk=32)
-    ix.check_topk(ridx, vis)
+    indexer.check_topk(ridx, vis)
     matched_idx, matched_lp = bench.train_forward(inp, vis, "rollout_matched", rows)
     bf16_idx, bf16_lp = bench.train_forward(inp, vis, "bf16", rows)
     assert torch.equal(matched_idx, ridx)

@@ -6,7 +6,7 @@ import torch
 
 from glm5_dsa_plugin.checkpoints import cards
 from glm5_dsa_plugin.model import attention as attn_mod
-from glm5_dsa_plugin.model import indexer as ix
+from glm5_dsa_plugin.model import indexer
 from glm5_dsa_plugin.model import rollout_numerics as rn
 from glm5_dsa_plugin.model.dsa_fields import check_dsa_config
 from glm5_dsa_plugin.ops import fp8_kv
@@ -102,13 +102,13 @@ def test_fp8_indexer_selects_the_fp8_topk_and_bf16_keeps_the_reference(megatron_
         inp = _inputs(card)
         with torch.no_grad():
             _, seen = _run(att, inp, monkeypatch=monkeypatch)
-            vis = ix.Visibility.causal(S)
+            vis = indexer.Visibility.causal(S)
             q, k, w = att.indexer.qkw(inp["x"][:, 0], inp["qr"][:, 0], vis.query_pos)
             if precision == "fp8":
                 ref = fp8_index.fp8_select_topk(q, k, w, 8, vis.mask)
-                assert not torch.equal(ref, ix.select_topk(q, k, w, 8, vis))  # the two scorings differ here
+                assert not torch.equal(ref, indexer.select_topk(q, k, w, 8, vis))  # the two scorings differ here
             else:
-                ref = ix.select_topk(q, k, w, 8, vis)
+                ref = indexer.select_topk(q, k, w, 8, vis)
         assert torch.equal(seen["indices"], ref), precision
 
 

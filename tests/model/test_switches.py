@@ -92,13 +92,13 @@ def test_config_backend_reaches_sparse_mla(megatron_single_process, clean_env, n
 
 def test_launcher_backend_flag_sets_the_config(megatron_single_process, clean_env):
     from glm5_dsa_plugin.model.attention import GLM5DSAttention
-    from glm5_dsa_plugin.train import core as launcher
+    from glm5_dsa_plugin.train import core
 
-    args = launcher.base_parser("t").parse_args(["--card", "tiny", "--backend", "reference", "--device", "cpu"])
-    card = launcher.load_card_from_args(args)
-    cfg = launcher.model_config(args, card, mtp_num_layers=None)
+    args = core.base_parser("t").parse_args(["--card", "tiny", "--backend", "reference", "--device", "cpu"])
+    card = core.load_card_from_args(args)
+    cfg = core.model_config(args, card, mtp_num_layers=None)
     assert cfg.dsa_sparse_mla_backend == "reference"
-    model = launcher.build_model(args, card, cfg)
+    model = core.build_model(args, card, cfg)
     atts = [m for m in model.modules() if isinstance(m, GLM5DSAttention)]
     assert atts and all(a.backend == "reference" and a.switches.sources["backend"] == "config.dsa_sparse_mla_backend"
                         for a in atts)

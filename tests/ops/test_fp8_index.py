@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from glm5_dsa_plugin.model import indexer as ix
+from glm5_dsa_plugin.model import indexer
 from glm5_dsa_plugin.ops.indexer import fp8_index as f8
 
 
@@ -95,7 +95,7 @@ def test_fp8_scores_equal_bf16_scores_when_every_value_is_representable():
     got = f8.fp8_index_scores(q, k, w, rotate=False)
     # 2**-6 * 256 * 256 * (0.75 * 2**-7 * 128**-0.5) = 8 * 0.75 / sqrt(128)
     assert got.item() == pytest.approx(6.0 / math.sqrt(128), rel=1e-7)
-    assert got.item() == pytest.approx(ix.index_scores(q, k, w).item(), rel=1e-7)
+    assert got.item() == pytest.approx(indexer.index_scores(q, k, w).item(), rel=1e-7)
 
 
 def test_fp8_scores_need_head_dim_128():
@@ -114,8 +114,8 @@ def test_topk_order_ties_and_padding_hand_worked():
 def test_topk_order_matches_deterministic_topk_on_many_ties():
     g = torch.Generator().manual_seed(3)
     sc = torch.randint(0, 4, (16, 40), generator=g).float()
-    sc = sc.masked_fill(~ix.Visibility.causal(40).mask(slice(24, 40)), float("-inf"))
-    assert torch.equal(f8.topk_ordered(sc, 12), ix.deterministic_topk(sc, 12))
+    sc = sc.masked_fill(~indexer.Visibility.causal(40).mask(slice(24, 40)), float("-inf"))
+    assert torch.equal(f8.topk_ordered(sc, 12), indexer.deterministic_topk(sc, 12))
 
 
 def test_fp8_select_topk_is_the_ordered_topk_of_masked_fp8_scores_in_any_chunking():
@@ -124,13 +124,13 @@ def test_fp8_select_topk_is_the_ordered_topk_of_masked_fp8_scores_in_any_chunkin
     q = torch.randn(T, Hi, 128).to(torch.bfloat16)
     k = torch.randn(T, 128).to(torch.bfloat16)
     w = torch.randn(T, Hi)
-    vis = ix.Visibility.from_cu_seqlens(torch.tensor([0, 20, 37]))
+    vis = indexer.Visibility.from_cu_seqlens(torch.tensor([0, 20, 37]))
     full = f8.fp8_index_scores(q, k, w).masked_fill(~vis.mask(), float("-inf"))
-    ref = ix.deterministic_topk(full, 8)
+    ref = indexer.deterministic_topk(full, 8)
     for chunk in (None, 5):
         got = f8.fp8_select_topk(q, k, w, 8, vis.mask, chunk_rows=chunk)
         assert torch.equal(got, ref)
-    ix.check_topk(ref, vis)
+    indexer.check_topk(ref, vis)
     assert (ref[0, 1:] == -1).all() and ref[0, 0] == 0  # row 0 sees only key 0
     assert (ref[20, 1:] == -1).all() and ref[20, 0] == 20  # first row of sequence 2
 
@@ -140,7 +140,7 @@ def test_fp8_scores_track_bf16_scores():
     q = torch.randn(8, 4, 128).to(torch.bfloat16)
     k = torch.randn(50, 128).to(torch.bfloat16)
     w = torch.rand(8, 4)
-    ref = ix.index_scores(q, k, w)
+    ref = indexer.index_scores(q, k, w)
     got = f8.fp8_index_scores(q, k, w)
     assert not torch.equal(got, ref)  # FP8 rounding is visible
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
@@ -159,6 +159,6 @@ def test_zero_query_row_scores_zero_and_selects_visible_keys_in_index_order_then
     sc = f8.fp8_index_scores(q, k, w)
     assert torch.isfinite(sc).all()
     assert (sc[4] == 0).all() and (sc[:, 2] == 0).all()
-    got = f8.fp8_select_topk(q, k, w, 8, ix.Visibility.causal(T).mask)
+    got = f8.fp8_select_topk(q, k, w, 8, indexer.Visibility.causal(T).mask)
     assert got[4].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
     assert got[1].tolist()[2:] == [-1] * 6 and sorted(got[1, :2].tolist()) == [0, 1]

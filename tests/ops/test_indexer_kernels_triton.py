@@ -5,23 +5,23 @@ from triton_interpreter import run_interpreted
 
 SLOT_SCORES = r"""
 import torch
-from glm5_dsa_plugin.model import indexer as ix
+from glm5_dsa_plugin.model import indexer
 from glm5_dsa_plugin.ops.indexer.slot_scores import slot_scores_forward, slot_scores_backward
 
 g = torch.Generator().manual_seed(0)
 T, Hi, Di, K = 37, 3, 32, 9
-vis = ix.Visibility.from_cu_seqlens(torch.tensor([0, 20, 37]))
+vis = indexer.Visibility.from_cu_seqlens(torch.tensor([0, 20, 37]))
 q, k, w = torch.randn(T, Hi, Di, generator=g), torch.randn(T, Di, generator=g), torch.randn(T, Hi, generator=g)
-idx = ix.select_topk(q, k, w, K, vis)                  # rows 0..7 of each sequence carry -1 padding
+idx = indexer.select_topk(q, k, w, K, vis)                  # rows 0..7 of each sequence carry -1 padding
 assert (idx < 0).any() and (idx >= 0).any()
 got = slot_scores_forward(q, k, w, idx, block_slots=4)
-want = ix.selected_scores_reference(q, k, w, idx)
+want = indexer.selected_scores_reference(q, k, w, idx)
 assert torch.equal(torch.isinf(got), idx < 0), "padding slots must be -inf, valid slots finite"
 torch.testing.assert_close(got[idx >= 0], want[idx >= 0], rtol=1e-5, atol=1e-5)
 
 grad = torch.randn(T, K, generator=g)
 qr, kr, wr = (t.clone().requires_grad_(True) for t in (q, k, w))
-ix.selected_scores_reference(qr, kr, wr, idx).masked_fill(idx < 0, 0.0).mul(grad).sum().backward()
+indexer.selected_scores_reference(qr, kr, wr, idx).masked_fill(idx < 0, 0.0).mul(grad).sum().backward()
 dq, dk, dw = slot_scores_backward(q, k, w, idx, grad.masked_fill(idx < 0, 1e30), block_slots=4)  # padding grads ignored
 for name, a, b in (("dq", dq, qr.grad), ("dk", dk, kr.grad), ("dw", dw, wr.grad)):
     assert b.abs().sum() > 0, name
@@ -38,13 +38,13 @@ print("OK")
 
 TARGET = r"""
 import torch
-from glm5_dsa_plugin.model import indexer as ix
+from glm5_dsa_plugin.model import indexer
 from glm5_dsa_plugin.ops.indexer.attention_target import head_prob_sum
 
 g = torch.Generator().manual_seed(1)
 T, H, D, K, scale = 29, 5, 40, 7, 0.3
-vis = ix.Visibility.causal(T)
-idx = ix.select_topk(torch.randn(T, 2, 16, generator=g), torch.randn(T, 16, generator=g),
+vis = indexer.Visibility.causal(T)
+idx = indexer.select_topk(torch.randn(T, 2, 16, generator=g), torch.randn(T, 16, generator=g),
                      torch.randn(T, 2, generator=g), K, vis)
 idx[3] = -1                                            # a row with no valid slot
 q, kv = torch.randn(T, H, D, generator=g), torch.randn(T, D, generator=g)
@@ -53,7 +53,7 @@ s = torch.einsum("thd,tkd->thk", q, kv[idx.clamp(min=0).long()]) * scale
 lse = s.masked_fill(~valid[:, None, :], float("-inf")).logsumexp(-1)
 lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, -1.0e30))  # the op's empty-row lse
 got = head_prob_sum(q, kv, lse, idx, scale, block_slots=4, block_d=16)
-want = ix.attention_target_reference(q, kv, idx, scale)
+want = indexer.attention_target_reference(q, kv, idx, scale)
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 assert torch.equal(got[3], torch.zeros(K)) and torch.equal(got[~valid], torch.zeros_like(got[~valid]))
 torch.testing.assert_close(got.sum(-1)[valid.any(-1)], torch.full((int(valid.any(-1).sum()),), float(H)))
@@ -62,12 +62,12 @@ print("OK")
 
 KEYS = r"""
 import torch
-from glm5_dsa_plugin.model import indexer as ix
+from glm5_dsa_plugin.model import indexer
 from glm5_dsa_plugin.ops.indexer.masked_scores import masked_index_scores
 
 g = torch.Generator().manual_seed(2)
 cu = torch.tensor([0, 13, 40])
-vis = ix.Visibility.from_cu_seqlens(cu)
+vis = indexer.Visibility.from_cu_seqlens(cu)
 T, Hi, Di, K = 40, 2, 16, 10
 # small integers: many exactly tied scores, so the order among ties is tested
 q = torch.randint(-1, 2, (T, Hi, Di), generator=g).float()
@@ -75,10 +75,10 @@ k = torch.randint(-1, 2, (T, Di), generator=g).float()
 w = torch.randint(-1, 2, (T, Hi), generator=g).float()
 keys = masked_index_scores(q, k, w, vis.query_seq, vis.query_pos, vis.qidx, vis.key_seq, vis.key_pos,
                            block_t=16, block_s=16, keys=True)
-scores = ix.index_scores(q, k, w).masked_fill(~vis.mask(), float("-inf"))
+scores = indexer.index_scores(q, k, w).masked_fill(~vis.mask(), float("-inf"))
 vals, order = torch.sort(scores, dim=-1, descending=True, stable=True)  # ties: lower key index first
 want = torch.where(vals[:, :K] == float("-inf"), -1, order[:, :K]).to(torch.int32)
-assert torch.equal(ix.topk_from_keys(keys, K), want)
+assert torch.equal(indexer.topk_from_keys(keys, K), want)
 print("OK")
 """
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glm5_dsa_plugin.train import lora, mtp, ppo
-from glm5_dsa_plugin.train import core as launcher
+from glm5_dsa_plugin.train import core
 from glm5_dsa_plugin.model.attention import GLM5DSAttention
 from megatron_cpu import megatron_single_process  # noqa: F401
 
@@ -43,10 +43,10 @@ def test_lora_adapters_save_load_merge(tmp_path, megatron_single_process):
     targets = {k.split(".self_attention.")[1].split(".adapter")[0] for k in adapters}
     assert targets == set(lora.MLA_LORA_TARGETS)
 
-    args = launcher.base_parser("t").parse_args(COMMON)
-    card = launcher.load_card_from_args(args)
-    cfg = launcher.model_config(args, card, mtp_num_layers=None)
-    model = launcher.build_model(args, card, cfg)
+    args = core.base_parser("t").parse_args(COMMON)
+    card = core.load_card_from_args(args)
+    cfg = core.model_config(args, card, mtp_num_layers=None)
+    model = core.build_model(args, card, cfg)
     _, model = lora.apply_lora(model)
     missing, unexpected = model.load_state_dict(adapters, strict=False)
     assert not unexpected
@@ -59,7 +59,7 @@ def test_lora_adapters_save_load_merge(tmp_path, megatron_single_process):
         merged = model(tok, pos, None)
     torch.testing.assert_close(merged, with_adapters, rtol=1e-5, atol=1e-5)
     # adapters changed the model (so merging had something to merge)
-    base = launcher.build_model(args, card, cfg).eval()
+    base = core.build_model(args, card, cfg).eval()
     with torch.no_grad():
         assert not torch.allclose(base(tok, pos, None), merged)
 
@@ -78,14 +78,14 @@ def test_three_launchers_share_attention_and_kernel_entry(monkeypatch, megatron_
 
     monkeypatch.setattr(att, "sparse_mla", counting)
     built = {}
-    real_build = launcher.build_model
+    real_build = core.build_model
 
     def spy_build(*a, **k):
         m = real_build(*a, **k)
-        built[current["job"]] = launcher.attention_classes(m)
+        built[current["job"]] = core.attention_classes(m)
         return m
 
-    monkeypatch.setattr(launcher, "build_model", spy_build)
+    monkeypatch.setattr(core, "build_model", spy_build)
     for job in ("lora", "ppo", "mtp"):
         current["job"] = job
         assert MAINS[job](COMMON + ["--steps", "1"]) == 0
@@ -94,18 +94,18 @@ def test_three_launchers_share_attention_and_kernel_entry(monkeypatch, megatron_
 
 
 def test_ppo_fixture_has_all_padding_rows_with_exact_zero_gradients(megatron_single_process):
-    from glm5_dsa_plugin.model import indexer as ix
+    from glm5_dsa_plugin.model import indexer
 
     roll = torch.load("tests/fixtures/rollouts_tiny.pt")
     psp = ppo.packed_params(roll, "cpu")
-    vis = ix.Visibility.from_cu_seqlens(psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded)
+    vis = indexer.Visibility.from_cu_seqlens(psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded)
     pad_rows = ~vis.mask().any(-1)
     assert pad_rows.sum() >= 10  # pad tokens: their top-k is all -1
-    idx = ix.select_topk(torch.randn(88, 2, 8), torch.randn(88, 8), torch.randn(88, 2), 8, vis)
+    idx = indexer.select_topk(torch.randn(88, 2, 8), torch.randn(88, 8), torch.randn(88, 2), 8, vis)
     assert torch.all(idx[pad_rows] == -1)
-    args = launcher.base_parser("t").parse_args(COMMON)
-    card = launcher.load_card_from_args(args)
-    model = launcher.build_model(args, card, launcher.model_config(args, card, mtp_num_layers=None))
+    args = core.base_parser("t").parse_args(COMMON)
+    card = core.load_card_from_args(args)
+    model = core.build_model(args, card, core.model_config(args, card, mtp_num_layers=None))
     logp = ppo.token_logprobs(model, roll, "cpu")
     loss = ppo.ppo_loss(logp, roll, kl_coef=0.01)
     loss.backward()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from glm5_dsa_plugin.train import cli, ppo
-from glm5_dsa_plugin.train import core as launcher
+from glm5_dsa_plugin.train import core
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 FIXTURE = "tests/fixtures/rollouts_tiny.pt"
@@ -15,10 +15,10 @@ COMMON = ["--card", "tiny", "--backend", "reference", "--device", "cpu", "--roll
 
 
 def _model():
-    args = launcher.base_parser("t").parse_args(COMMON[:-2])
-    card = launcher.load_card_from_args(args)
+    args = core.base_parser("t").parse_args(COMMON[:-2])
+    card = core.load_card_from_args(args)
     torch.manual_seed(args.seed)
-    return launcher.build_model(args, card, launcher.model_config(args, card, mtp_num_layers=None))
+    return core.build_model(args, card, core.model_config(args, card, mtp_num_layers=None))
 
 
 @pytest.mark.slow
