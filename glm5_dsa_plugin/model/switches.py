@@ -82,31 +82,30 @@ def check(config) -> None:
         _check_policy(policy, "config.dsa_nonfinite_policy")
 
 
+def _pick(config, env_name: str, field: str, check, default: tuple):
+    """(value, source): the environment override, else the config field, else ``default``."""
+    env = _env(env_name)
+    if env is not None:
+        return check(env, env_name), f"${env_name}"
+    value = getattr(config, field, None)
+    if value is not None:
+        return check(value, f"config.{field}"), f"config.{field}"
+    return default
+
+
 def resolve_switches(config=None) -> CallSwitches:
     """The switches for ``config`` (a ``TransformerConfig``; None: no config, the defaults),
     each from its environment override, else its config field, else its default (module
     docstring). Raises ValueError naming the field or variable for a value that cannot run."""
     sources = {}
-    env_backend = _env(ENV_BACKEND)
-    cfg_backend = getattr(config, "dsa_sparse_mla_backend", None)
-    if env_backend is not None:
-        backend, sources["backend"] = _check_backend(env_backend, ENV_BACKEND), f"${ENV_BACKEND}"
-    elif cfg_backend is not None:
-        backend = _check_backend(cfg_backend, "config.dsa_sparse_mla_backend")
-        sources["backend"] = "config.dsa_sparse_mla_backend"
-    else:
-        backend, sources["backend"] = DEFAULT_BACKEND, "default"
+    backend, sources["backend"] = _pick(config, ENV_BACKEND, "dsa_sparse_mla_backend", _check_backend,
+                                        (DEFAULT_BACKEND, "default"))
     deterministic = bool(getattr(config, "deterministic_mode", False))
     sources["deterministic"] = "config.deterministic_mode" if config is not None else "default"
-    env_policy = _env(ENV_POLICY)
-    cfg_policy = getattr(config, "dsa_nonfinite_policy", None)
-    if env_policy is not None:
-        policy, sources["guard_policy"] = _check_policy(env_policy, ENV_POLICY), f"${ENV_POLICY}"
-    elif cfg_policy is not None:
-        policy = _check_policy(cfg_policy, "config.dsa_nonfinite_policy")
-        sources["guard_policy"] = "config.dsa_nonfinite_policy"
-    else:
-        policy, sources["guard_policy"] = guard.policy(), "process setting: ops.configure, else fallback"
+    policy, sources["guard_policy"] = _pick(config, ENV_POLICY, "dsa_nonfinite_policy", _check_policy,
+                                            (None, "process setting: ops.configure, else fallback"))
+    if policy is None:
+        policy = guard.policy()
     return CallSwitches(backend, deterministic, policy, sources)
 
 

@@ -92,6 +92,19 @@ def _packed(sizes, padded, device):
                            cu_seqlens_kv_padded=cu_pad, max_seqlen_q=mx, max_seqlen_kv=mx)
 
 
+def _forward_backward(att, t: dict, rows, psp, cp: int) -> dict:
+    """One rank's forward and backward of ``att`` on its ``rows`` of the inputs ``t``: the output,
+    the indexer loss and every gradient."""
+    loc = {k: t[k][rows].clone().requires_grad_(True) for k in ("query", "key", "x", "qr")}
+    up_v = t["up_v"].clone().requires_grad_(True)
+    out = att(loc["query"], loc["key"], None, None, loc["x"], loc["qr"], packed_seq_params=psp, up_v_weight=up_v)
+    out.backward(t["grad"][rows] * cp)
+    r = dict(out=out.detach(), up_v=up_v.grad, loss=getattr(att, "last_indexer_loss", None),
+             params={n: p.grad for n, p in att.named_parameters()})
+    r.update({f"d{k}": v.grad for k, v in loc.items()})
+    return r
+
+
 def _run_case(name, cp, rank, device="cpu", variant="reference"):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
@@ -119,13 +132,7 @@ def _run_case(name, cp, rank, device="cpu", variant="reference"):
                            pg_collection=pgc).train().to(device, var["dtype"])
         att.backend = var["backend"]
         t = {k: v.to(device, var["dtype"]) for k, v in _inputs(card, fmt, sizes, padded, g).items()}
-        loc = {k: t[k][rows].clone().requires_grad_(True) for k in ("query", "key", "x", "qr")}
-        up_v = t["up_v"].clone().requires_grad_(True)
-        out = att(loc["query"], loc["key"], None, None, loc["x"], loc["qr"], packed_seq_params=psp, up_v_weight=up_v)
-        out.backward(t["grad"][rows] * cp)
-        r = dict(out=out.detach(), up_v=up_v.grad, loss=getattr(att, "last_indexer_loss", None),
-                 params={n: p.grad for n, p in att.named_parameters()})
-        r.update({f"d{k}": v.grad for k, v in loc.items()})
+        r = _forward_backward(att, t, rows, psp, cp)
         carrier = psp if psp is not None else cfg
         holder = getattr(carrier, att._HOLDER_ATTR, {})
         r["indices"] = holder.get(layer)

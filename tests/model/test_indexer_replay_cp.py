@@ -14,8 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from glm5_dsa_plugin.checkpoints import cards
-from test_cp_cpu import CASES, LAYERS_PLAIN, LAYERS_SHARING, WORLD, _card, _inputs, _local_rows, _packed, _to_cpu, \
-    check_parity, run_cp_cases
+from test_cp_cpu import CASES, LAYERS_PLAIN, LAYERS_SHARING, WORLD, _card, _forward_backward, _inputs, _local_rows, \
+    _packed, _to_cpu, check_parity, run_cp_cases
 
 
 def _records(card, fmt, sizes, padded, sharing):
@@ -79,13 +79,7 @@ def _run_case(name, cp, rank):
                            pg_collection=pgc).train()
         att.backend = "reference"
         t = _inputs(card, fmt, sizes, padded, g)
-        loc = {k: t[k][rows].clone().requires_grad_(True) for k in ("query", "key", "x", "qr")}
-        up_v = t["up_v"].clone().requires_grad_(True)
-        out = att(loc["query"], loc["key"], None, None, loc["x"], loc["qr"], packed_seq_params=psp, up_v_weight=up_v)
-        out.backward(t["grad"][rows] * cp)
-        r = dict(out=out.detach(), up_v=up_v.grad, loss=getattr(att, "last_indexer_loss", None),
-                 params={n: p.grad for n, p in att.named_parameters()})
-        r.update({f"d{k}": v.grad for k, v in loc.items()})
+        r = _forward_backward(att, t, rows, psp, cp)
         holder = getattr(carrier, att._HOLDER_ATTR, {})
         r["indices"] = holder.get(layer)
         if layer in replay.indices:  # the layer attended to the replayed keys (each sample's last token aside)

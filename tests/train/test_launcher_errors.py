@@ -13,6 +13,22 @@ from glm5_dsa_plugin.train import cli, core, lora, mtp
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 
+def _logged(logger: str, *messages: str) -> list[str]:
+    """The lines ``logger`` prints for ``messages`` (warnings) with the launchers' filters installed."""
+    import logging
+
+    stream = io.StringIO()
+    log = logging.getLogger(logger)
+    handler = logging.StreamHandler(stream)
+    log.addHandler(handler)
+    try:
+        for m in messages:
+            log.warning(m)
+    finally:
+        log.removeHandler(handler)
+    return stream.getvalue().splitlines()
+
+
 def _launch(main, argv, capsys):
     rc = cli.launch(main, argv, prog="train_x.py")
     err = capsys.readouterr().err
@@ -72,16 +88,9 @@ def test_filters_are_narrow():
         exec("import warnings\nwarnings.warn('Transformer Engine and Apex are not installed. x')\n"
              "warnings.warn('something else from megatron')", mod)
     assert [str(w.message) for w in rec] == ["something else from megatron"]
-    stream = io.StringIO()
-    log = logging.getLogger("megatron.bridge.utils.import_utils")
-    handler = logging.StreamHandler(stream)
-    log.addHandler(handler)
-    try:
-        log.warning("Import of FP8GlobalStateManager from megatron.core.extensions.transformer_engine failed with: x")
-        log.warning("Import of other failed")
-    finally:
-        log.removeHandler(handler)
-    assert stream.getvalue().splitlines() == ["Import of other failed"]
+    assert _logged("megatron.bridge.utils.import_utils",
+                   "Import of FP8GlobalStateManager from megatron.core.extensions.transformer_engine failed with: x",
+                   "Import of other failed") == ["Import of other failed"]
 
 
 def _tiny_train_args(tmp_path, *extra):
@@ -132,12 +141,5 @@ def test_gpt_model_deprecation_is_one_short_line():
     import logging
 
     cli.install_filters()
-    stream = io.StringIO()
-    log = logging.getLogger("megatron.core.models.gpt.gpt_model")
-    handler = logging.StreamHandler(stream)
-    log.addHandler(handler)
-    try:
-        log.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes, no new features.")
-    finally:
-        log.removeHandler(handler)
-    assert stream.getvalue().splitlines() == [cli.LOG_SUMMARIES[0][2]]
+    assert _logged("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED. GPTModel is only accepting "
+                   "critical bug fixes, no new features.") == [cli.LOG_SUMMARIES[0][2]]
