@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Per-rank peak memory of the DSA core attention under allgather context parallelism, measured
-against the dry-run planner's estimate (``planning.layer_peak_bytes``).
+against the dry-run planner's estimate (``train.attention_memory.layer_peak_bytes``).
 
 The ``--cp`` ranks are processes sharing one GPU, talking through gloo (CUDA tensors staged
 through the host), so a single H200 measures what each rank of a CP group allocates: one layer
@@ -31,8 +31,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from glm5_dsa_plugin.checkpoints import cards
-from glm5_dsa_plugin import planning  # noqa: E402
+from glm5_dsa_plugin.checkpoints import cards  # noqa: E402
+from glm5_dsa_plugin.train.attention_memory import layer_peak_bytes  # noqa: E402
 
 GIB = 2**30
 
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         ranks = [pr[i] for pr in per_rank if i < len(pr)]
         errors = [r["error"] for r in ranks if r["error"]]
         peaks = [r["peak_gib"] for r in ranks if r["peak_gib"] is not None]
-        planned, phase = planning.layer_peak_bytes(card, tp=1, cp=args.cp, seq=first["seq"], computes=True)
+        planned, phase = layer_peak_bytes(card, tp=1, cp=args.cp, seq=first["seq"], computes=True)
         rows.append(dict(seq=first["seq"], measured_peak_gib=max(peaks) if peaks and not errors else None,
                          per_rank_peak_gib=[r["peak_gib"] for r in ranks], planned_peak_gib=planned / GIB,
                          planned_phase=phase, error=errors[0] if errors else None))

@@ -30,6 +30,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .attention_memory import attention_activation_parts, attention_transient_parts
+
+__all__ = ["GIB", "RECOMPUTE", "OPTIMIZERS", "Training", "StageMemory", "lora_modules", "lora_params_per_layer",
+           "layer_kept_parts", "stage_kept_parts", "layer_transient_bytes", "logits_bytes", "optimizer_bytes"]
+
 GIB = 1024**3
 RECOMPUTE = ("none", "selective", "full")
 OPTIMIZERS = ("megatron", "launcher")
@@ -100,7 +105,7 @@ def layer_kept_parts(card: dict, tp: int, cp: int, seq: int, micro_batch: int, i
     frozen local linear keeps nothing of its input; a LoRA adapter keeps the input and its rank-wide
     intermediate.
 
-    * ``attention``: the DSA core's kept tensors (:func:`.planner.attention_activation_parts`, the
+    * ``attention``: the DSA core's kept tensors (:func:`.attention_memory.attention_activation_parts`, the
       indexer's only when it trains) per sequence, times ``micro_batch``;
     * ``projections``: the layer input and the normalised input (``2 h``), the query latent before
       and after its norm (``2 q_lora``), the kv latent with its RoPE part (``kv_lora + dr``, one
@@ -123,8 +128,6 @@ def layer_kept_parts(card: dict, tp: int, cp: int, seq: int, micro_batch: int, i
     The top-k a computing layer shares with later layers (index sharing) and the final norm's
     input on the last stage are per stage: :func:`stage_kept_parts`.
     """
-    from .planner import attention_activation_parts
-
     h, H = card["hidden_size"], card["num_attention_heads"]
     t = micro_batch * seq // cp
     t_sp = t // tp if tp > 1 else t
@@ -177,11 +180,9 @@ def layer_transient_bytes(card: dict, tp: int, cp: int, seq: int, micro_batch: i
                           cp_layout: str = "zigzag", ep: int = 1) -> dict[str, int]:
     """The short-lived allocations of one layer on one rank, by phase (they do not overlap; the
     layer's transient peak is the largest): the DSA layer's largest phase
-    (the guard's and the kernels' workspaces; :func:`.planner.attention_transient_parts`) per
+    (the guard's and the kernels' workspaces; :func:`.attention_memory.attention_transient_parts`) per
     sequence times ``micro_batch``, and for a MoE layer the dispatch: the permuted token copies and
     their combine (``2 k h``, bf16) plus, with EP > 1, the all-to-all's send and receive buffers."""
-    from .planner import attention_transient_parts
-
     phases = attention_transient_parts(card, tp, cp, seq, computes, cp_layout)
     out = dict(attention=max(sum(v.values()) for v in phases.values()) * micro_batch)
     if is_moe:

@@ -15,9 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoints import cards
-from ..model import indexer as ix
+from ..model import indexer
 from ..model.dsa_fields import dsa_geometry
-from . import memory as mem
+from . import memory
+from .attention_memory import attention_activation_bytes, layer_peak_bytes
+
+__all__ = ["GIB", "Stage", "balanced_split", "split_with_ends", "check_layout", "layer_kind_params", "plan",
+           "stage_memory", "peak_bytes", "FRAGMENTATION", "RESERVED_GIB", "fits", "Layout", "layout_peak",
+           "nearest_fit", "add_plan_arguments", "training_from_args", "plan_and_print", "print_memory", "print_verdict"]
 
 GIB = 1024**3
 
@@ -38,7 +43,7 @@ def balanced_split(n_layers: int, pp: int, freq: int, offset: int) -> list[tuple
     """Stages (first, last), 1-indexed, minimising the largest stage; every first layer computes indices."""
     if pp > n_layers:
         raise ValueError(f"pp={pp} > {n_layers} layers")
-    ok = [computes for computes in (ix.computes_indices(L, freq, offset) for L in range(1, n_layers + 2))]
+    ok = [computes for computes in (indexer.computes_indices(L, freq, offset) for L in range(1, n_layers + 2))]
     INF = math.inf
     # best[k][i]: minimal max stage length splitting layers [1, i] into k stages
     best = [[INF] * (n_layers + 1) for _ in range(pp + 1)]
@@ -77,7 +82,7 @@ def split_with_ends(n_layers: int, pp: int, first: int | None, last: int | None,
         + ([last_n] if last is not None else [])
     out, a = [], 1
     for k in sizes:
-        ix.check_stage_layers(a, a + k - 1, freq, offset)
+        indexer.check_stage_layers(a, a + k - 1, freq, offset)
         out.append((a, a + k - 1))
         a += k
     return out
@@ -116,146 +121,6 @@ def _layer_params(config, is_moe: bool, computes: bool, tp: int, ep: int) -> tup
     with torch.device("meta"):
         layer = build_module(spec, config=config, layer_number=number, add_layer_offset=False)
     return _per_rank_params(layer, tp, ep)
-
-
-def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes: bool,
-                               indexer_trains: bool = True) -> dict[str, int]:
-    """Bytes one DSA layer keeps for backward per micro batch, by tensor, as the TileLang backend
-    keeps them (bf16 activations, fp32 lse, int32 indices):
-
-    * ``q`` (absorbed, [S_loc, H, 576]), ``kv`` (the latent kv, all-gathered over CP, with its zero
-      sentinel row), ``out`` and ``lse``;
-    * ``indices``: the caller's top-k, kept by the layer that computes them; layers that reuse them
-      keep the same tensor (0 here), unless topk is not a multiple of 64: then every layer keeps
-      its own padded copy;
-    * ``key_lists``: with fewer than 64 heads per rank, the row groups' lists (an int32 key and a
-      uint8 member byte per padded slot); an upper bound, since ``row_groups="auto"`` drops them
-      for shapes whose rows share no key;
-    * ``indexer``: the indexer's q, k and weights in a layer that computes indices;
-    * ``indexer_loss_grad``: the indexer loss's gradient wrt the selected-slot scores, [S_loc, K]
-      fp32, the one tensor the loss keeps (computed in its forward);
-      both 0 when the indexer is frozen (``indexer_trains=False``: LoRA without ``--lora-indexer``):
-      its q / k / w then need no gradient, so neither the selected-slot scores nor the loss keep
-      anything for the backward;
-    * ``value_out``: the value up-projection's output [S_loc, H * v_head_dim] (bf16), which the
-      output projection keeps;
-    * ``guard_kv``: the gathered latent kv as the layer passed it [T, 576] (bf16), which the
-      guard's late-read forward flags keep until the layer's backward settles them (policy
-      ``fallback``, the default; ``ops.guard.run.run_forward``); 0 under ``raise`` or ``off``."""
-    H = card["num_attention_heads"] // tp
-    S_loc = seq // cp
-    dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
-    topk = card["index_topk"]
-    saved = _sparse_mla_saved_bytes(card, H, S_loc, seq)
-    parts = dict(q=S_loc * H * dq * 2, kv=saved["kv"], out=S_loc * H * card["kv_lora_rank"] * 2,
-                 lse=S_loc * H * 4)
-    parts["indices"] = S_loc * topk * 4 * computes + saved["indices"]
-    parts["key_lists"] = saved["key_lists"]
-    parts["indexer"] = ((S_loc * card["index_n_heads"] * card["index_head_dim"] * 2 + seq * card["index_head_dim"] * 2
-                         + S_loc * card["index_n_heads"] * 4) if computes and indexer_trains else 0)
-    parts["indexer_loss_grad"] = S_loc * topk * 4 * computes * indexer_trains
-    parts["value_out"] = S_loc * H * card["v_head_dim"] * 2
-    parts["guard_kv"] = seq * dq * 2 if _guard_holds_forward_inputs() else 0
-    return parts
-
-
-def _guard_holds_forward_inputs() -> bool:
-    """Whether a recorded sparse-MLA forward's flags are read late, keeping its inputs until the
-    backward (``ops.guard.run.run_forward`` on CUDA under policy ``fallback``)."""
-    from ..ops.guard.config import cfg
-
-    return cfg.policy == "fallback"
-
-
-def _sparse_mla_problem(card: dict, H: int, S_loc: int, T: int):
-    """A layer's sparse-MLA call: S_loc local query rows of H heads against the T gathered latent
-    rows (one kv group)."""
-    from ..ops.contract import Problem
-
-    d_v = card["kv_lora_rank"]
-    return Problem(batch=1, seq_len=S_loc, seq_len_kv=T, heads=H, kv_groups=1, topk=card["index_topk"],
-                   d_qk=d_v + card["qk_rope_head_dim"], d_v=d_v, sm_scale=1.0)  # (the scale sizes nothing)
-
-
-def _sparse_mla_saved_bytes(card: dict, H: int, S_loc: int, T: int) -> dict[str, int]:
-    """What the TileLang backend keeps from a layer's sparse-MLA forward for its backward, by
-    tensor (``Backend.saved_bytes``), bf16."""
-    from ..ops.backends import get_backend
-
-    return get_backend("tilelang").saved_bytes(_sparse_mla_problem(card, H, S_loc, T), itemsize=2)
-
-
-def _sparse_mla_backward_bytes(card: dict, H: int, S_loc: int, T: int) -> dict[str, int]:
-    """What the TileLang backend's backward allocates besides dq, by tensor (``Backend.backward_bytes``)."""
-    from ..ops.backends import get_backend
-
-    return get_backend("tilelang").backward_bytes(_sparse_mla_problem(card, H, S_loc, T), itemsize=2)
-
-
-def attention_activation_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool) -> int:
-    """Sum of :func:`attention_activation_parts`."""
-    return sum(attention_activation_parts(card, tp, cp, seq, computes).values())
-
-
-def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: bool,
-                              cp_layout: str = "zigzag") -> dict[str, dict[str, int]]:
-    """Bytes one DSA layer allocates on top of what it keeps (:func:`attention_activation_parts`),
-    per phase, on a GPU rank (bf16 activations, Triton indexer scores). ``seq`` is the global
-    micro-batch length; ``T = seq`` rows are gathered over CP, ``S_loc = seq / cp`` are local.
-
-    * ``gather``: the all-gather's rank-major buffers of kv and indexer keys before their reorder
-      into global order (zigzag layout only; the contiguous layout gathers in global order);
-    * ``topk``: one row block of the indexer's top-k over local query rows against all ``T`` keys
-      (int64 keys, as ``select_topk`` sizes the block, and ``topk``'s int64 values and indices);
-    * ``indexer_loss``: the fused loss's forward: [S_loc, K] fp32 logits and raw target (the
-      normalised target becomes the kept gradient, in :func:`attention_activation_parts`) and
-      one row block of the KL's temporaries; nothing of size [S_loc, K, D];
-    * ``backward``: the incoming gradient of the latent attention output [S_loc, H, kv_lora_rank],
-      the gathered kv's gradient (TileLang's fp32 dKV plus its bf16 result; the zigzag layout's
-      reorder buffer before the reduce-scatter), the guard's fp32 row-repair accumulator over the
-      gathered kv, the indexer keys' gradient (fp32 accumulator and result), the local dq, and
-      what the guard keeps of the previous layer's backward until its flags are settled (its q,
-      incoming gradient and prepared indices; nothing when they exceed ``pending_bytes``)."""
-    H, Di = card["num_attention_heads"] // tp, card["index_head_dim"]
-    S_loc, T, K = seq // cp, seq, card["index_topk"]
-    dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
-    reorder = cp > 1 and cp_layout == "zigzag"
-    gather = dict(kv=T * dq * 2 * reorder, indexer_k=T * Di * 2 * reorder * computes)
-    rows = min(S_loc, ix.topk_row_block(T))
-    topk = dict(keys=rows * T * 8, topk_out=rows * K * 16) if computes else {}
-    loss = dict(logits=S_loc * K * 4, target=S_loc * K * 4, kl_block=min(S_loc, 4096) * K * 4 * 4) if computes else {}
-    backward = dict(d_out=S_loc * H * card["kv_lora_rank"] * 2,
-                    dkv=sum(_sparse_mla_backward_bytes(card, H, S_loc, T).values()) + T * dq * 2 * reorder,
-                    repair_acc=(T + 1) * dq * 4,
-                    dq=S_loc * H * dq * 2, indexer_dk=(T * Di * (4 + 2 * (1 + reorder))) * computes,
-                    guard_pending=_guard_pending_bytes(card, H, S_loc, T))
-    return dict(gather=gather, topk=topk, indexer_loss=loss, backward=backward)
-
-
-def _guard_pending_bytes(card: dict, H: int, S_loc: int, T: int) -> int:
-    """What the guard keeps of one backward until its flags are settled (``ops.guard``'s pending
-    queue): q, the incoming gradient, the prepared kv and indices; 0 past ``pending_bytes``."""
-    from ..ops.guard.config import cfg
-
-    dq = card["kv_lora_rank"] + card["qk_rope_head_dim"]
-    saved = _sparse_mla_saved_bytes(card, H, S_loc, T)
-    # the backend's saved tensors hold its own padded indices, else the caller's (topk a multiple of 64)
-    kept = (S_loc * H * dq * 2 + S_loc * H * card["kv_lora_rank"] * 2 + saved["kv"]
-            + (saved["indices"] or S_loc * card["index_topk"] * 4) + saved["extent"])
-    return kept if kept <= cfg.pending_bytes else 0
-
-
-def layer_peak_bytes(card: dict, tp: int, cp: int, seq: int, computes: bool, cp_layout: str = "zigzag",
-                     indexer_loss: bool = True) -> tuple[int, str]:
-    """(peak bytes, phase) of one DSA layer on one rank: what it keeps plus its largest phase
-    (:func:`attention_transient_parts`); ``indexer_loss=False`` leaves the loss phase out."""
-    kept = attention_activation_bytes(card, tp, cp, seq, computes)
-    phases = {k: sum(v.values()) for k, v in attention_transient_parts(card, tp, cp, seq, computes,
-                                                                        cp_layout).items()}
-    if not indexer_loss:
-        phases.pop("indexer_loss")
-    phase = max(phases, key=phases.get)
-    return kept + phases[phase], phase
 
 
 def check_layout(card: dict, tp: int, ep: int, cp: int, seq: int, cp_layout: str = "zigzag") -> None:
@@ -306,7 +171,7 @@ def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int, first_stage_l
     for s, (a, b) in enumerate(split):
         st = Stage(s, a, b)
         for L in range(a, b + 1):
-            is_moe, comp = L > k, ix.computes_indices(L, freq, off)
+            is_moe, comp = L > k, indexer.computes_indices(L, freq, off)
             st.layer_kinds.append(("moe" if is_moe else "dense") + ("" if comp else "+reuse"))
             st.params_per_rank += kinds[(is_moe, comp)][0]
             st.expert_params_per_rank += kinds[(is_moe, comp)][1]
@@ -328,19 +193,19 @@ def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int, first_stage_l
 
 
 def stage_memory(card: dict, stages: list[Stage], tp: int, pp: int, ep: int, cp: int, seq: int,
-                 micro_batch: int, training: mem.Training, dp: int = 1, micro_batches: int | None = None,
-                 cp_layout: str = "zigzag") -> list[mem.StageMemory]:
+                 micro_batch: int, training: memory.Training, dp: int = 1, micro_batches: int | None = None,
+                 cp_layout: str = "zigzag") -> list[memory.StageMemory]:
     """Each stage's per-rank bytes by term (:mod:`.memory`): static (weights, LoRA, gradients,
     optimizer), the activations of the micro batches in flight under 1F1B, and the larger of one
     layer's transient peak and, on the last stage, the logits and loss."""
     k = card.get("first_k_dense_replace", 0)
     freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
-    lora = (mem.lora_params_per_layer(card, training.lora_dim, tp, training.lora_indexer)
+    lora = (memory.lora_params_per_layer(card, training.lora_dim, tp, training.lora_indexer)
             if training.lora_dim is not None else 0)
     out = []
     for st in stages:
         in_flight = min(pp - st.index, micro_batches or pp)
-        layers = [(L > k, ix.computes_indices(L, freq, off)) for L in range(st.first, st.last + 1)]
+        layers = [(L > k, indexer.computes_indices(L, freq, off)) for L in range(st.first, st.last + 1)]
         if st.has_mtp:
             layers.append((True, True))
         n_lora = lora * len(layers)
@@ -349,27 +214,27 @@ def stage_memory(card: dict, stages: list[Stage], tp: int, pp: int, ep: int, cp:
         else:
             dense, expert = n_lora, 0
         parts = dict(weights=st.params_per_rank * 2, lora_weights=n_lora * 2)
-        parts.update(mem.optimizer_bytes(dense, expert, training, tp, cp, ep, dp))
+        parts.update(memory.optimizer_bytes(dense, expert, training, tp, cp, ep, dp))
         parts["activations"] = in_flight * (sum(
-            sum(mem.layer_kept_parts(card, tp, cp, seq, micro_batch, moe, comp, training, ep, cp_layout).values())
-            for moe, comp in layers) + sum(mem.stage_kept_parts(card, tp, cp, seq, micro_batch, training,
+            sum(memory.layer_kept_parts(card, tp, cp, seq, micro_batch, moe, comp, training, ep, cp_layout).values())
+            for moe, comp in layers) + sum(memory.stage_kept_parts(card, tp, cp, seq, micro_batch, training,
                                                                 sum(comp for _, comp in layers),
                                                                 st.index == pp - 1).values()))
-        transient = max(max(mem.layer_transient_bytes(card, tp, cp, seq, micro_batch, moe, comp, cp_layout,
+        transient = max(max(memory.layer_transient_bytes(card, tp, cp, seq, micro_batch, moe, comp, cp_layout,
                                                       ep).values()) for moe, comp in layers)
         if training.recompute == "full":  # one layer's activations rebuilt at a time in backward
-            transient += max(sum(mem.layer_kept_parts(card, tp, cp, seq, micro_batch, moe, comp,
-                                                      mem.Training(training.lora_dim, training.lora_indexer,
+            transient += max(sum(memory.layer_kept_parts(card, tp, cp, seq, micro_batch, moe, comp,
+                                                      memory.Training(training.lora_dim, training.lora_indexer,
                                                                    training.optimizer), ep, cp_layout).values())
                              for moe, comp in layers)
         parts["transient"] = transient
         if st.index == pp - 1:
-            parts["logits_loss"] = sum(mem.logits_bytes(card, tp, cp, seq, micro_batch).values())
-        out.append(mem.StageMemory(st.index, in_flight, parts))
+            parts["logits_loss"] = sum(memory.logits_bytes(card, tp, cp, seq, micro_batch).values())
+        out.append(memory.StageMemory(st.index, in_flight, parts))
     return out
 
 
-def peak_bytes(m: mem.StageMemory) -> int:
+def peak_bytes(m: memory.StageMemory) -> int:
     """The stage's peak: static terms + kept activations + the larger of the layer transient and the logits."""
     p = m.parts
     return m.total - min(p["transient"], p.get("logits_loss", 0))
@@ -406,11 +271,11 @@ class Layout:
                 + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
 
 
-def layout_peak(card: dict, lay: Layout, seq: int, micro_batch: int, training: mem.Training, dp: int = 1,
+def layout_peak(card: dict, lay: Layout, seq: int, micro_batch: int, training: memory.Training, dp: int = 1,
                 micro_batches: int | None = None, cp_layout: str = "zigzag", kinds: dict | None = None
-                ) -> tuple[int, list[mem.StageMemory]]:
+                ) -> tuple[int, list[memory.StageMemory]]:
     """(largest stage peak, every stage's terms) of one layout."""
-    tr = mem.Training(training.lora_dim, training.lora_indexer, training.optimizer, training.distributed_optimizer,
+    tr = memory.Training(training.lora_dim, training.lora_indexer, training.optimizer, training.distributed_optimizer,
                       lay.recompute)
     stages, _ = plan(card, lay.tp, lay.pp, lay.ep, lay.cp, seq, lay.first_stage_layers, lay.last_stage_layers,
                      cp_layout, kinds=kinds)
@@ -419,14 +284,14 @@ def layout_peak(card: dict, lay: Layout, seq: int, micro_batch: int, training: m
     return max(peak_bytes(m) for m in mems), mems
 
 
-def nearest_fit(card: dict, lay: Layout, seq: int, micro_batch: int, training: mem.Training, gpu_memory_gib: float,
+def nearest_fit(card: dict, lay: Layout, seq: int, micro_batch: int, training: memory.Training, gpu_memory_gib: float,
                 dp: int = 1, micro_batches: int | None = None, cp_layout: str = "zigzag", kinds: dict | None = None
                 ) -> tuple[Layout, int] | None:
     """The closest layout that fits by :func:`layout_peak`: more PP (x2, x4), more CP (x2, x4) and
     recompute (selective, then full), ordered by how many more GPUs it takes, then by how much it
     recomputes; balanced stages where PP changes. ``None`` when none of them fits."""
     kinds = kinds or layer_kind_params(card, lay.tp, lay.ep)
-    levels = mem.RECOMPUTE[mem.RECOMPUTE.index(lay.recompute):]
+    levels = memory.RECOMPUTE[memory.RECOMPUTE.index(lay.recompute):]
     cands = []
     for fp in (1, 2, 4):
         for fc in (1, 2, 4):
@@ -451,20 +316,20 @@ def add_plan_arguments(ap) -> None:
     """The dry run's memory options (every launcher)."""
     ap.add_argument("--gpu-memory-gib", type=float, default=80.0,
                     help="dry run: the card's memory for the verdict (141 is shown beside it)")
-    ap.add_argument("--recompute", default="none", choices=mem.RECOMPUTE,
+    ap.add_argument("--recompute", default="none", choices=memory.RECOMPUTE,
                     help="dry run: megatron-core's recompute granularity (none, selective, full)")
     ap.add_argument("--distributed-optimizer", action="store_true",
                     help="dry run: shard the fp32 optimizer state over the data-parallel ranks")
     ap.add_argument("--dp", type=int, default=1, help="dry run: data-parallel ranks (beside TP, PP, CP)")
     ap.add_argument("--micro-batches", type=int, default=None,
                     help="dry run: micro batches per step (default: at least PP, the 1F1B steady state)")
-    ap.add_argument("--plan-optimizer", default="megatron", choices=mem.OPTIMIZERS,
+    ap.add_argument("--plan-optimizer", default="megatron", choices=memory.OPTIMIZERS,
                     help="dry run: megatron-core's mixed-precision AdamW or the launchers' torch AdamW")
 
 
-def training_from_args(args) -> mem.Training:
+def training_from_args(args) -> memory.Training:
     """LoRA when the launcher has ``--lora-dim`` (the LoRA job), else every parameter trains."""
-    return mem.Training(getattr(args, "lora_dim", None), getattr(args, "lora_indexer", False),
+    return memory.Training(getattr(args, "lora_dim", None), getattr(args, "lora_indexer", False),
                         getattr(args, "plan_optimizer", "megatron"), getattr(args, "distributed_optimizer", False),
                         getattr(args, "recompute", "none"))
 
@@ -504,9 +369,9 @@ def plan_and_print(args, card: dict) -> int:
     print(f"{'stage':>5} {'layers':>9} {'dense':>5} {'moe':>4} {'params/rank':>14} {'attn act GiB':>12}  indices")
     total = 0
     for st in stages:
-        comp = [L for L in range(st.first, st.last + 1) if ix.computes_indices(L, freq, off)]
-        reuse = [f"{L}<-{ix.index_source_layer(L, freq, off)}" for L in range(st.first, st.last + 1)
-                 if not ix.computes_indices(L, freq, off)]
+        comp = [L for L in range(st.first, st.last + 1) if indexer.computes_indices(L, freq, off)]
+        reuse = [f"{L}<-{indexer.index_source_layer(L, freq, off)}" for L in range(st.first, st.last + 1)
+                 if not indexer.computes_indices(L, freq, off)]
         n_dense = sum(x.startswith("dense") for x in st.layer_kinds)
         total += st.params_per_rank
         print(f"{st.index:>5} {st.first:>4}-{st.last:<4} {n_dense:>5} {len(st.layer_kinds) - n_dense:>4} "
@@ -519,7 +384,7 @@ def plan_and_print(args, card: dict) -> int:
     return 0
 
 
-def print_memory(mems: list[mem.StageMemory]) -> None:
+def print_memory(mems: list[memory.StageMemory]) -> None:
     keys = list(dict.fromkeys(k for m in mems for k in m.parts))
     print("memory per rank (GiB): peak = every term but the smaller of transient and logits_loss")
     print(f"{'stage':>5} {'in flight':>9} " + " ".join(f"{k:>12}" for k in keys) + f" {'peak':>8}")
@@ -528,7 +393,7 @@ def print_memory(mems: list[mem.StageMemory]) -> None:
               + f" {peak_bytes(m) / GIB:>8.2f}")
 
 
-def print_verdict(card, lay: Layout, peak: int, seq: int, mb: int, training: mem.Training, gpu_memory_gib: float,
+def print_verdict(card, lay: Layout, peak: int, seq: int, mb: int, training: memory.Training, gpu_memory_gib: float,
                   dp: int, micro_batches, cp_layout: str, kinds) -> None:
     need = peak * (1 + FRAGMENTATION) / GIB + RESERVED_GIB
     for cap in dict.fromkeys((gpu_memory_gib, 141.0)):

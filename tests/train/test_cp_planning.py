@@ -8,32 +8,32 @@ import sys
 import pytest
 
 from glm5_dsa_plugin.checkpoints import cards
-from glm5_dsa_plugin.train import planner as planning
+from glm5_dsa_plugin.train import attention_memory, planner
 
 
 def test_stage_split_with_megatron_first_last_matches_slime():
     # slime's docs (examples/glm5.2-744B-A40B.md): stage starts 1, 15, 23, 31, 39, 47, 55, 63
-    stages = planning.split_with_ends(78, 8, 14, 16, 4, 3)
+    stages = planner.split_with_ends(78, 8, 14, 16, 4, 3)
     assert [a for a, _ in stages] == [1, 15, 23, 31, 39, 47, 55, 63] and stages[-1] == (63, 78)
     with pytest.raises(ValueError, match="would reuse the DSA indices of layer"):
-        planning.split_with_ends(78, 8, 12, 18, 4, 3)  # stage 2 would start on layer 13
+        planner.split_with_ends(78, 8, 12, 18, 4, 3)  # stage 2 would start on layer 13
     with pytest.raises(ValueError, match="do not split into pp=8"):
-        planning.split_with_ends(78, 8, 13, 16, 4, 3)
+        planner.split_with_ends(78, 8, 13, 16, 4, 3)
 
 
 def test_gathered_tensors_are_global_length_and_the_rest_local():
     card = cards.load_card("glm5.2")
     dq, Di = card["kv_lora_rank"] + card["qk_rope_head_dim"], card["index_head_dim"]
     for cp in (1, 8):
-        kept = planning.attention_activation_parts(card, 4, cp, 65536, True)
+        kept = attention_memory.attention_activation_parts(card, 4, cp, 65536, True)
         assert kept["kv"] == (65536 + 1) * dq * 2  # the gathered latent kv (+ the zero sentinel row)
         assert kept["q"] == 65536 // cp * 16 * dq * 2
-    zig = planning.attention_transient_parts(card, 4, 8, 65536, True, "zigzag")
-    cont = planning.attention_transient_parts(card, 4, 8, 65536, True, "contiguous")
+    zig = attention_memory.attention_transient_parts(card, 4, 8, 65536, True, "zigzag")
+    cont = attention_memory.attention_transient_parts(card, 4, 8, 65536, True, "contiguous")
     assert zig["gather"] == dict(kv=65536 * dq * 2, indexer_k=65536 * Di * 2)  # rank-major buffer before reorder
     assert cont["gather"] == dict(kv=0, indexer_k=0)  # slime's layout gathers in global order
-    peak, phase = planning.layer_peak_bytes(card, 4, 8, 65536, False, "contiguous")
-    assert phase == "backward" and peak < planning.layer_peak_bytes(card, 4, 1, 65536, False, "contiguous")[0]
+    peak, phase = attention_memory.layer_peak_bytes(card, 4, 8, 65536, False, "contiguous")
+    assert phase == "backward" and peak < attention_memory.layer_peak_bytes(card, 4, 1, 65536, False, "contiguous")[0]
 
 
 def test_dry_run_glm52_slime_recipe_with_cp8():

@@ -165,7 +165,7 @@ def test_dry_run_attention_memory_counts_what_the_backend_keeps():
 
     from glm5_dsa_plugin.checkpoints import cards
     from glm5_dsa_plugin.ops.row_groups import group_keys_reference
-    from glm5_dsa_plugin.train.planner import attention_activation_bytes, attention_activation_parts
+    from glm5_dsa_plugin.train.attention_memory import attention_activation_bytes, attention_activation_parts
 
     card = cards.load_card("glm5.2")
     seq, topk = 40, card["index_topk"]

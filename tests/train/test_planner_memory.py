@@ -8,8 +8,8 @@ import pytest
 
 from glm5_dsa_plugin.checkpoints import cards
 from glm5_dsa_plugin.train import lora
+from glm5_dsa_plugin.train import attention_memory, planner
 from glm5_dsa_plugin.train import memory as mem
-from glm5_dsa_plugin.train import planner
 from tests.megatron_cpu import megatron_single_process  # noqa: F401  (fixture)
 
 GIB = 1024**3
@@ -47,8 +47,8 @@ def test_layer_kept_terms_match_hand_counts(tiny):
     full = mem.layer_kept_parts(tiny, 1, 1, t, 1, False, True, mem.Training(lora_dim=None))
     assert full["mlp"] == dense["mlp"] + (t * 64 + t * 128) * 2  # + fc1 and fc2 inputs
     # the frozen indexer keeps nothing (LoRA without --lora-indexer); trained, its q / k / w and loss gradient
-    frozen = planner.attention_activation_parts(tiny, 1, 1, t, True, indexer_trains=False)
-    trained = planner.attention_activation_parts(tiny, 1, 1, t, True)
+    frozen = attention_memory.attention_activation_parts(tiny, 1, 1, t, True, indexer_trains=False)
+    trained = attention_memory.attention_activation_parts(tiny, 1, 1, t, True)
     assert frozen["indexer"] == frozen["indexer_loss_grad"] == 0
     assert trained["indexer_loss_grad"] == t * 8 * 4 and trained["indexer"] == t * 2 * 32 * 2 + t * 32 * 2 + t * 2 * 4
     assert dense["attention"] == sum(frozen.values())
@@ -139,7 +139,7 @@ def test_layer_kept_terms_match_counted_saved_tensors(megatron_single_process):
     def planned(T, moe, comp):
         parts = mem.layer_kept_parts(card, 1, 1, T, 1, moe, comp, lora8)
         return parts["projections"] + parts.get("mlp", 0) + parts.get("moe", 0) \
-            + planner.attention_activation_parts(card, 1, 1, T, comp, indexer_trains=False)["value_out"]
+            + attention_memory.attention_activation_parts(card, 1, 1, T, comp, indexer_trains=False)["value_out"]
 
     kinds = [(False, True)] * 3 + [(True, False)]
     counted = [y - x for x, y in zip(a, b)]
