@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = ["SCALE_SUFFIX", "BlockFP8", "parse_quantization_config", "dequantize"]
+
 SCALE_SUFFIX = "_scale_inv"  # "<name>.weight" -> "<name>.weight_scale_inv"
 _KNOWN_FIELDS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "scale_fmt",
                  "modules_to_not_convert", "ignored_layers"}

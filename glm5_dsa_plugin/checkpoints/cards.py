@@ -24,6 +24,10 @@ from pathlib import Path
 
 import torch
 
+__all__ = ["CARDS_DIR", "CARD_ALIASES", "ARCH_FIELDS", "available_cards", "load_card", "indexer_rope_interleave",
+           "rope_theta", "card_to_hf_config", "hf_config_to_card", "DSA_GEOMETRY_KEYS", "dsa_geometry",
+           "card_to_transformer_config", "with_overrides"]
+
 
 def _cards_dir():
     """The packaged cards if this is an installed wheel, else the checkout's ``layer_specs/``."""

@@ -34,6 +34,9 @@ from . import block_fp8
 from .hybrid_names import gpt_to_hybrid_name
 from ..model.indexer import computes_indices
 
+__all__ = ["LazyHFCheckpoint", "name_plan", "iter_hf_to_megatron", "hf_to_megatron", "load_hf_checkpoint",
+           "megatron_to_hf", "save_hf_safetensors"]
+
 # (megatron suffix, hf suffix) inside one decoder layer, 1:1 copies
 _LAYER_1TO1 = [
     ("input_layernorm.weight", "input_layernorm.weight"),

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+__all__ = ["gpt_to_hybrid_name", "hybrid_to_gpt_name", "gpt_to_hybrid_state", "hybrid_to_gpt_state"]
+
 _ATTENTION = ("input_layernorm.", "self_attention.", "self_attn_bda.")
 _GPT_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _GPT_MTP = re.compile(r"^mtp\.layers\.(\d+)\.mtp_model_layer\.(.+)$")

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 
 from ..model.indexer import computes_indices, index_source_layer
 
+__all__ = ["SYMBOLS", "glm5_hybrid_layer_pattern", "split_pattern", "dsa_layer_number", "check_index_sharing"]
+
 SYMBOLS = "D-E"  # the layer symbols this plugin builds (every other hybrid symbol is refused)
 
 

@@ -43,6 +43,8 @@ import torch
 
 from ..model.indexer import computes_indices
 
+__all__ = ["convert_name", "rotate_indexer", "convert_state", "geometry", "read_checkpoint", "write_checkpoint"]
+
 _INDEXER = {
     "wq_b.weight": "linear_wq_b.weight",
     "wk.weight": "linear_wk.weight",

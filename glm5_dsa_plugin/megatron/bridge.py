@@ -39,6 +39,10 @@ from ..checkpoints import hybrid_names
 from ..checkpoints.hybrid_pattern import glm5_hybrid_layer_pattern, split_pattern
 from . import te_compat
 
+__all__ = ["glm5_bridge_layer_spec", "glm5_bridge_hybrid_stack_spec", "MODELS", "GLM5DSAHybridModelProvider",
+           "megatron_names", "HybridNamesMappingRegistry", "GLM5DSAPluginBridge", "GLM5DSAPluginHybridBridge",
+           "register_bridge"]
+
 te_compat.install()
 
 try:

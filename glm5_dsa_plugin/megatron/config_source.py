@@ -54,6 +54,9 @@ from typing import Any, Optional
 
 from ..checkpoints.cards import DSA_GEOMETRY_KEYS, dsa_geometry
 
+__all__ = ["SHAPE_FIELDS", "CP_LAYOUT_FIELD", "ALLGATHER_CP_LAYOUT", "split_call", "transformer_config",
+           "hf_checkpoint_path", "read_hf_config", "resolve_geometry", "apply_client_flags", "check_local_path"]
+
 logger = logging.getLogger("glm5_dsa_plugin.spec")
 
 # megatron-core 0.19.2 defaults of these fields: equal to the default means "not set"

@@ -19,6 +19,8 @@ import importlib.util
 import sys
 import types
 
+__all__ = ["TARGET", "TransformerEngineUnavailable", "te_available", "install", "active", "correct_bridge_peft_flags"]
+
 TARGET = "megatron.bridge.peft.lora_layers"
 _TARGET_DEPS = ("megatron.core.transformer.moe.moe_utils", "megatron.bridge.peft.adapter_wrapper",
                 "megatron.bridge.peft.lora_merge")

@@ -43,6 +43,8 @@ from ..ops.fp8_kv import fake_quant_kv
 from ..ops.indexer import fp8_index
 from .value_projection import value_up_projection
 
+__all__ = ["GLM5DSAIndexerSubmodules", "GLM5DSAttentionSubmodules", "GLM5DSAIndexer", "GLM5DSAttention"]
+
 
 @dataclass
 class GLM5DSAIndexerSubmodules:

@@ -32,6 +32,9 @@ import torch.distributed as dist
 
 from . import indexer
 
+__all__ = ["LAYOUTS", "layout_from_args", "check_layout", "units", "local_rows", "gather_order", "local_row_ids",
+           "positions_in_sequence", "gather_sequence", "Shard", "shard", "indexer_loss_tracker_groups"]
+
 LAYOUTS = ("zigzag", "contiguous")
 
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 from . import rollout_numerics, switches
 
+__all__ = ["KNOWN_DSA_FIELDS", "PLUGIN_DSA_FIELDS", "DSAGeometry", "dsa_geometry", "check_dsa_config"]
+
 # megatron-core 0.19.2 TransformerConfig DSA fields (tests compare this list with the dataclass)
 KNOWN_DSA_FIELDS = (
     "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_topk_freq",

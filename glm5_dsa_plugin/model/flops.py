@@ -31,6 +31,9 @@ from dataclasses import dataclass
 
 from .dsa_fields import dsa_geometry
 
+__all__ = ["DEVICE_PEAKS", "LAYER_PARTS", "DSAShape", "visible_pairs", "selected_pairs", "layer_flops", "model_flops",
+           "device_peaks", "mfu"]
+
 # bf16 dense matmul peak (FLOP/s) and HBM bandwidth (bytes/s) from the vendors' data sheets, by a
 # substring of ``torch.cuda.get_device_name()``; most specific first
 DEVICE_PEAKS = (

@@ -24,6 +24,12 @@ import torch
 from ..ops import indexer as indexer_kernels
 from ..ops.contract import PAD_INDEX
 
+__all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "deterministic_topk", "score_keys",
+           "INVISIBLE_KEY", "topk_from_keys", "topk_row_block", "select_topk", "check_topk",
+           "selected_scores_reference", "selected_scores", "attention_target_reference", "attention_target",
+           "indexer_kl_loss_from_target", "indexer_kl_loss", "computes_indices", "index_source_layer",
+           "check_stage_layers"]
+
 _CHUNK_ELEMS = 1 << 25  # fp32 elements of [rows, Hi, T_kv] scratch per chunk
 
 

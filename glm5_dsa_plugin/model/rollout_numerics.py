@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import os
 
+__all__ = ["INDEXER_PRECISIONS", "FIELDS", "ENV_FP8_INDEXER", "ENV_KV_FP8_QAT", "ENV_KV_FP8_QAT_BLOCK",
+           "indexer_precision", "kv_fp8_qat", "check"]
+
 INDEXER_PRECISIONS = ("bf16", "fp8")
 FIELDS = ("dsa_indexer_precision", "dsa_kv_fp8_qat")
 ENV_FP8_INDEXER = "MEGATRON_USE_SGLANG_FP8_INDEXER"

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["value_up_projection"]
+
 
 class _ValueUpProjection(torch.autograd.Function):
     @staticmethod

@@ -6,6 +6,8 @@ import torch
 
 from .contract import Problem
 
+__all__ = ["Backend"]
+
 
 class Backend:
     """A sparse-MLA implementation, registered under its ``name`` with :func:`register_backend`.

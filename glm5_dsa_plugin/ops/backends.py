@@ -14,6 +14,9 @@ import torch
 from . import reference
 from .backend_base import Backend
 
+__all__ = ["register_backend", "unregister_backend", "registered_backends", "get_backend", "explain_auto", "resolve",
+           "ReferenceBackend"]
+
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {}
 _INSTANCES: dict[str, Backend] = {}

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = ["PAD_INDEX", "EMPTY_ROW_LSE", "LOG2E", "LN2", "FLOAT_DTYPES", "SparseMLAInputError", "Problem",
+           "canonicalize", "problem_of", "index_violation_flag", "check_indices", "flops"]
+
 PAD_INDEX = -1
 EMPTY_ROW_LSE = -1.0e30
 LOG2E = 1.4426950408889634

@@ -7,6 +7,8 @@ import importlib.metadata as md
 
 import torch
 
+__all__ = ["KNOWN_BAD_TILELANG", "PACKAGES", "versions", "self_check", "run"]
+
 # TileLang releases whose aggressive shared-memory merge miscompiled the sparse-MLA backward
 KNOWN_BAD_TILELANG = {"0.1.9": "aliases acc_dkv_shared with a live Q_shared: NaN dq/dkv from finite inputs",
                       "0.1.10": "aliases acc_dkv_shared with a live Q_shared: NaN dq/dkv from finite inputs"}

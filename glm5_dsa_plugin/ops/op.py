@@ -8,6 +8,8 @@ from . import backends as _backends
 from . import guard as _guard
 from .contract import canonicalize, check_indices
 
+__all__ = ["sparse_mla"]
+
 
 class _SparseMLAFunction(torch.autograd.Function):
     """A call autograd records (a backward follows); calls with nothing to differentiate run the

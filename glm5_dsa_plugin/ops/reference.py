@@ -12,6 +12,8 @@ import torch
 
 from .contract import EMPTY_ROW_LSE
 
+__all__ = ["forward", "backward"]
+
 # Elements of fp32 scratch per chunk (gathered kv + scores); ~256 MiB.
 _CHUNK_BUDGET = 1 << 26
 

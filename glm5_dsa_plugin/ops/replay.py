@@ -9,6 +9,8 @@ import torch
 from . import backends, reference
 from .contract import problem_of
 
+__all__ = ["Comparison", "compare", "replay"]
+
 
 @dataclass
 class Comparison:

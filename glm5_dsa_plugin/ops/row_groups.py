@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+__all__ = ["TABLE_WORDS", "group_keys", "canonical_lists", "group_keys_reference"]
+
 # int32 words of bit table per batch of groups (256 MiB); each further batch zeroes it again
 TABLE_WORDS = 1 << 26
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["w1_indices", "w2_indices"]
+
 
 def w1_indices(T: int, T_kv: int, topk: int, gen: torch.Generator, device="cuda") -> torch.Tensor:
     """W1: every slot valid, distinct random keys in [0, T_kv)."""

@@ -26,6 +26,10 @@ from ..checkpoints import cards
 from ..ops import guard_stats
 from .cli import LauncherInputError, check_inputs
 
+__all__ = ["SPEC_DEFAULT", "SPEC_HELP", "base_parser", "parse_overrides", "load_card_from_args", "resolve_spec",
+           "init_parallel", "model_config", "build_model", "prepare", "attention_classes", "StepResult",
+           "synthetic_batch", "save_checkpoint", "load_checkpoint", "train", "lm_step", "apply_recipe", "run_dry"]
+
 SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "get_glm5_dsa_spec"]
 SPEC_HELP = ("layer-spec provider, called with (args, config, vp_stage) as slime/miles do "
              "(default: --spec glm5_dsa_plugin.spec get_glm5_dsa_spec)")

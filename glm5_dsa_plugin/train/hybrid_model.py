@@ -13,6 +13,9 @@ import importlib
 from ..checkpoints import cards
 from ..checkpoints.hybrid_pattern import check_index_sharing, glm5_hybrid_layer_pattern
 
+__all__ = ["GPT_SPEC_DEFAULT", "HYBRID_SPEC_DEFAULT", "hybrid_config_fields", "build_hybrid_model",
+           "pipeline_stage_layers", "describe_pattern"]
+
 GPT_SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "get_glm5_dsa_spec"]
 HYBRID_SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "glm5_dsa_hybrid_stack_spec"]
 

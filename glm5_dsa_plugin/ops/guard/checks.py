@@ -10,6 +10,8 @@ from ..contract import EMPTY_ROW_LSE
 from . import slots
 from .slots import Flag
 
+__all__ = ["flag_nonfinite", "check_forward", "all_finite", "bad_rows"]
+
 
 def flag_nonfinite(flags: torch.Tensor, slot: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
     """flags[slot] becomes nonzero if a (or b) holds NaN/inf; one pass over both."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+__all__ = ["POLICIES", "FORWARD_FLAGS", "Config", "configure", "policy"]
+
 POLICIES = ("fallback", "raise", "off")
 FORWARD_FLAGS = ("eager", "deferred")
 

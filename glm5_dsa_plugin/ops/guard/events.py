@@ -18,6 +18,9 @@ from ..contract import SparseMLAInputError, check_indices
 from . import pending
 from .config import cfg
 
+__all__ = ["GuardStats", "stats", "reset_stats", "environment_record", "dump", "event", "warn_repaired",
+           "device_repair_event", "raise_index_error"]
+
 
 @dataclass
 class GuardStats:

@@ -18,6 +18,8 @@ import torch
 from .config import cfg
 from .slots import FLAG_SLOTS
 
+__all__ = ["PendingRepairs", "settle_through", "storage_bytes", "settle_at_exit"]
+
 
 class PendingRepairs:
     """Flags of calls read late (device-repaired backwards; forwards whose backward will settle

@@ -18,6 +18,8 @@ from .. import reference
 from . import events
 from .checks import all_finite, bad_rows
 
+__all__ = ["repair_forward", "repair_backward"]
+
 
 def repair_forward(backend, q, kv, indices, prob, out, lse, stacklevel: int):
     """-> (out, lse) with the nonfinite rows recomputed (copies when there are any); ``prob``:

@@ -51,6 +51,9 @@ from ..contract import EMPTY_ROW_LSE
 from .device_checks import _any_nonfinite, _has_nonfinite
 from .slots import Flag
 
+__all__ = ["HEADS_PER_PROGRAM", "SLOTS_PER_STEP", "ROWS_PER_PROGRAM", "DOT_PRECISION", "repair_backward_rows",
+           "repair_forward_rows"]
+
 # the guard's flag slots as compile-time constants of the kernels
 _NONFINITE = tl.constexpr(int(Flag.NONFINITE))
 _STILL_NONFINITE = tl.constexpr(int(Flag.STILL_NONFINITE))

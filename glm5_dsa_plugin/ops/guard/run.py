@@ -9,6 +9,8 @@ from .config import cfg
 from .repair import repair_backward, repair_forward
 from .slots import Flag
 
+__all__ = ["run_forward", "run_backward"]
+
 
 def _forward(backend, q, kv, indices, prob, index_flag, kv_flag=None):
     """-> (out, lse, saved) from ``backend.forward_saving``."""

@@ -11,6 +11,8 @@ from enum import IntEnum
 
 import torch
 
+__all__ = ["Flag", "FLAG_SLOTS", "FlagPool", "new_flags", "read", "reads_late", "capturing"]
+
 
 class Flag(IntEnum):
     """Slots of a guard flag buffer."""

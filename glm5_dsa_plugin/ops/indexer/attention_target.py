@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+__all__ = ["head_prob_sum"]
+
 
 @triton.jit
 def _head_prob_sum_kernel(Q, KV, LSE, IDX, OUT, n_slots, scale_log2,

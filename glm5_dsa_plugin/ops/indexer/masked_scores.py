@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+__all__ = ["INVISIBLE_KEY", "masked_index_scores"]
+
 
 # the key of every invisible (row, key) pair: below the key of any score, -inf included
 INVISIBLE_KEY: tl.constexpr = tl.constexpr(-(1 << 63))

@@ -32,6 +32,8 @@ import triton.language as tl
 
 from ..segment_sum import segment_sum_rows
 
+__all__ = ["slot_scores_forward", "slot_scores_backward"]
+
 
 @triton.jit
 def _slot_scores_fwd_kernel(Q, K, W, IDX, OUT, n_slots, scale,

@@ -16,6 +16,8 @@ from .plan import (BWD_MIN_HEADS, FWD_MIN_HEADS, BlockCountsOfLastCall, RowGroup
                    pad_topk, padded_heads_per_group, padded_topk, unpad_heads, whole_waves)
 from .shapes import BLOCK_TOPK, check_split, row_group_geometry
 
+__all__ = ["MIN_CAPABILITY", "TileLangBackend"]
+
 MIN_CAPABILITY = (9, 0)
 
 

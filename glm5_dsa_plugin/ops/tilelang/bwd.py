@@ -11,6 +11,9 @@ from .shapes import bwd_block_slots, row_group_geometry
 from .tiles import (DELTA_COLS, gather_row, members_dtype, row_delta, row_group_access, slot_blocks, store_rows,
                     valid_slot)
 
+__all__ = ["sparse_mla_bwd_kernel"]
+
+
 @T.macro
 def _load_q_do(Q, dO, q_s, qt_s, do_s, b, s, h0, seq_len, load_rows, h_blk, d_v, d_tail):
     """Backward prologue: the tile's Q (split at d_v into q_s / qt_s) and dO rows into shared memory."""

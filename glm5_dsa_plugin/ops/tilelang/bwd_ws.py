@@ -12,6 +12,9 @@ from .shapes import row_group_geometry
 from .tiles import (DELTA_COLS, gather_row, members_dtype, row_delta, row_group_access, slot_blocks, store_rows,
                     valid_slot)
 
+__all__ = ["vector_rows", "sparse_mla_bwd_ws_kernel"]
+
+
 @T.macro
 def _flag_nonfinite(Flags, acc, h_blk, width):
     """Flags[0] = 1 when the fragment acc [h_blk, width] holds a NaN or +-inf (each thread tests its

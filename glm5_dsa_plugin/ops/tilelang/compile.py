@@ -6,6 +6,8 @@ import threading
 
 import tilelang
 
+__all__ = ["PASS_CONFIGS", "EXPLICIT_FENCES_ATTR", "built_once"]
+
 _K = tilelang.PassConfigKey
 PASS_CONFIGS = {
     _K.TL_DISABLE_TMA_LOWER: True,  # gathers are per-row; TMA tiles do not apply

@@ -8,6 +8,9 @@ from .compile import PASS_CONFIGS, built_once
 from .shapes import BLOCK_TOPK, row_group_geometry
 from .tiles import gather_row, members_dtype, row_group_access, slot_blocks, tile_row, valid_slot, exp_base
 
+__all__ = ["in_bucket", "sparse_mla_fwd_kernel"]
+
+
 def in_bucket(n_blocks, lo, hi, n_all):
     """Whether a row needing ``n_blocks`` belongs to the launch for (lo, hi]; the first bucket
     also takes rows with no valid slot. Static True for a single launch over all ``n_all`` blocks."""

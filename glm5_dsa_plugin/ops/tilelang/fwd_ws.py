@@ -11,6 +11,9 @@ from .shapes import BLOCK_TOPK, row_group_geometry
 from .tiles import (exp_base, finish_rows, gather_row, members_dtype, row_group_access, slot_blocks, store_lse,
                     store_rows, tile_row, valid_slot)
 
+__all__ = ["sparse_mla_fwd_ws_kernel"]
+
+
 @built_once
 def sparse_mla_fwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda"):
     """Warp-specialised forward for 64-row tiles (hg a multiple of 64, or row groups with

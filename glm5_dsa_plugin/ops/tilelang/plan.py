@@ -10,6 +10,11 @@ import torch.nn.functional as F
 
 from .shapes import BLOCK_TOPK, head_block
 
+__all__ = ["FWD_MIN_HEADS", "BWD_MIN_HEADS", "padded_heads_per_group", "pad_heads", "unpad_heads", "padded_topk",
+           "pad_topk", "whole_waves", "forward_buckets", "forward_launches", "SINGLE_STAGE_COST", "AUTO_BUCKETS_64",
+           "cheaper_buckets_64", "CountsOfLastCall", "BlockCountsOfLastCall", "ENTRY_COST", "REPROBE_CALLS",
+           "RowGroupChoice"]
+
 # Smallest head tile per kernel (heads per kv group are zero-padded up to it). 16-row forward
 # tiles need the barrier before the P-tile write (``fwd.sparse_mla_fwd_kernel``).
 FWD_MIN_HEADS = 16

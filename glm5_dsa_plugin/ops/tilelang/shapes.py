@@ -1,6 +1,8 @@
 """Tile shapes of the TileLang kernels, importable without TileLang (the host's launch planning
 reads them)."""
 
+__all__ = ["BLOCK_TOPK", "SUPPORTED_SPLITS", "check_split", "head_block", "bwd_block_slots", "row_group_geometry"]
+
 BLOCK_TOPK = 64  # topk is padded with -1 to a multiple of this
 SUPPORTED_SPLITS = {(512, 64), (256, 64)}  # (d_v, d_tail): the splits tested on Hopper
 

@@ -5,6 +5,9 @@ from tilelang import language as T
 
 from ..contract import EMPTY_ROW_LSE, LN2
 
+__all__ = ["valid_slot", "slot_blocks", "tile_row", "row_group_access", "members_dtype", "gather_row", "exp_base",
+           "finish_rows", "store_rows", "store_lse", "DELTA_COLS", "row_delta"]
+
 
 def valid_slot(idx, n_rows):
     """A slot is valid iff its index is a real kv row (the same test in both modes). Compared in
