@@ -37,6 +37,8 @@ from . import indexer
 from . import indexer_replay as replay_mod
 from . import rollout_numerics
 from .dsa_fields import check_dsa_config, dsa_geometry
+from . import micro_batch
+from .shared_topk import HOLDER_ATTR, SharedTopk, StaleMicroBatchStateError
 from .switches import apply_guard_policy, resolve_switches
 from ..ops import guard_policy, sparse_mla
 from ..ops.fp8_kv import fake_quant_kv
@@ -138,7 +140,7 @@ class GLM5DSAttention(MegatronModule):
 
     consumes_absorbed_v_up_projection = True
     requires_dsa_inputs = True
-    _HOLDER_ATTR = "_glm5_dsa_index_share_holder"
+    _HOLDER_ATTR = HOLDER_ATTR
     _CP_SHARDS_ATTR = "_glm5_dsa_cp_shards"
     _backend_override: Optional[str] = None
 
@@ -160,6 +162,8 @@ class GLM5DSAttention(MegatronModule):
         self.topk_freq, self.skip_offset = self.geometry.topk_freq, self.geometry.skip_offset
         self.computes_indices = self.geometry.computes_indices(layer_number)
         self.source_layer = self.geometry.source_layer(layer_number)
+        self.shared_topk = SharedTopk(layer_number, self.source_layer)  # index sharing's hand-over (checked)
+        self._replay_check = micro_batch.RecomputeCheck()  # a recompute replays what its forward replayed
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
@@ -175,17 +179,23 @@ class GLM5DSAttention(MegatronModule):
 
     # ---------------------------------------------------------------- helpers
     def _carrier(self, packed_seq_params, attention_mask):
-        """The per-micro-batch object that carries index sharing, replay and recording."""
-        return packed_seq_params if packed_seq_params is not None else (
-            attention_mask if attention_mask is not None else self.config)
+        """The per-micro-batch object that carries index sharing, replay and recording (:mod:`.micro_batch`)."""
+        return micro_batch.carrier(packed_seq_params, attention_mask, self.config)
 
-    def _holder(self, packed_seq_params, attention_mask, attr: str = _HOLDER_ATTR) -> dict:
-        carrier = self._carrier(packed_seq_params, attention_mask)
-        holder = getattr(carrier, attr, None)
-        if holder is None:
-            holder = {}
-            setattr(carrier, attr, holder)
-        return holder
+    def _check_replay(self, replay, shared_carrier: bool) -> None:
+        """A recomputed forward on a carrier shared by micro batches must find the replay its forward
+        used (a client attaches each micro batch's replay to the config before its forward)."""
+        token = replay.serial if replay is not None else 0
+        if micro_batch.graph_task() == -1:
+            self._replay_check.forward_read(token, self.training)
+            return
+        seen = self._replay_check.recompute_read()
+        if shared_carrier and seen != token:
+            raise StaleMicroBatchStateError(
+                f"DSA layer {self.layer_number}: a recomputed forward finds indexer replay {token or 'none'} on the "
+                f"model's config, but this micro batch's forward used replay {seen or 'none'} (another micro batch's "
+                f"was attached since). Attach each micro batch's replay to its own PackedSeqParams or attention "
+                f"mask, or recompute no DSA layer.")
 
     @staticmethod
     def _to_packed(t: torch.Tensor) -> torch.Tensor:
@@ -225,7 +235,7 @@ class GLM5DSAttention(MegatronModule):
         # into global packed order below, so indices are rows of the gathered kv
         cp_shard = None
         if cp > 1:  # one shard per micro batch, shared by its layers (on the index-sharing holder's carrier)
-            shards = self._holder(packed_seq_params, attention_mask, self._CP_SHARDS_ATTR)
+            shards = micro_batch.state(self._carrier(packed_seq_params, attention_mask), self._CP_SHARDS_ATTR)
             shard_key = (id(cp_group), self.cp_layout, s, b, query.device)
             if shard_key not in shards:
                 shards[shard_key] = shard(cp_group, self.cp_layout, s * b, batch=b, device=query.device,
@@ -269,12 +279,12 @@ class GLM5DSAttention(MegatronModule):
         if cp_shard is not None:  # CP: the latent kv of the whole sequence set
             kv_att = cp_shard.gather(kv_att)
 
-        holder = self._holder(packed_seq_params, attention_mask)
+        carrier = self._carrier(packed_seq_params, attention_mask)
         deterministic = self.switches.deterministic
         index_logits = None
         if self.indexer is not None:
-            carrier = self._carrier(packed_seq_params, attention_mask)
             replay = None if self.is_mtp else replay_mod.indexer_replay_of(carrier)
+            self._check_replay(replay, carrier is self.config)
             recorder = None if self.is_mtp else getattr(carrier, replay_mod.RECORDER_ATTR, None)
             replayed = self._replayed(replay, vis, q.shape[0], q.device) if replay is not None else None
             coeff = self.config.dsa_indexer_loss_coeff or 0.0
@@ -301,15 +311,11 @@ class GLM5DSAttention(MegatronModule):
             if recorder is not None:
                 recorder.add(self.layer_number, indices, vis.qidx)
             if self.topk_freq > 1:  # only kept when later layers reuse them (index sharing)
-                holder[self.layer_number] = indices
+                self.shared_topk.publish(carrier, indices)
             if want_loss:
                 index_logits = indexer.selected_scores(qi, ki, wi, indices, deterministic=deterministic)
         else:
-            if self.source_layer not in holder:
-                raise RuntimeError(
-                    f"DSA layer {self.layer_number} reuses the indices of layer {self.source_layer}, which did not "
-                    f"run in this forward (pipeline stage split on a reusing layer?)")
-            indices = holder[self.source_layer]
+            indices = self.shared_topk.read(carrier, self.training, shared_carrier=carrier is self.config)
 
         G = kv_att.shape[1]
         # The indices come from our own top-k. With the guard on, validating them is free (read with

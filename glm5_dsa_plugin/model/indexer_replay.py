@@ -27,12 +27,14 @@ config), so activation recompute replays the same indices.
 from __future__ import annotations
 
 import base64
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 
+from . import micro_batch
 from .indexer import computes_indices
 
 __all__ = ["IndexerReplay", "IndexerReplayError", "IndexerTopkRecorder", "attach_indexer_replay",
@@ -41,6 +43,7 @@ __all__ = ["IndexerReplay", "IndexerReplayError", "IndexerTopkRecorder", "attach
 
 REPLAY_ATTR = "_glm5_dsa_indexer_replay"
 RECORDER_ATTR = "_glm5_dsa_indexer_topk_recorder"
+_SERIALS = itertools.count(1)  # IndexerReplay.serial: unique per object, never reused (unlike id())
 OVERLAP_THRESHOLD = 0.8  # a row whose shared fraction is below this counts as mismatched (miles' CI bound)
 
 
@@ -121,6 +124,7 @@ class IndexerReplay:
     topk: int
     measure_overlap: bool = False
     overlap: dict[int, LayerOverlap] = field(default_factory=dict)
+    serial: int = field(default_factory=lambda: next(_SERIALS), init=False, compare=False)
 
     def layer(self, layer_number: int, device) -> Optional[torch.Tensor]:
         """The layer's indices on ``device`` (None if this replay has no such layer)."""
@@ -243,12 +247,13 @@ def pack_indexer_topk(records: Iterable, cu_seqlens: torch.Tensor, *, num_layers
 def attach_indexer_replay(carrier, replay: Optional[IndexerReplay]) -> None:
     """Hand ``replay`` to the model for one micro-batch: ``carrier`` is that micro-batch's
     ``PackedSeqParams`` (THD), else its attention mask, else the model's ``TransformerConfig``
-    (bshd without a mask: attach before each micro-batch). None detaches."""
-    setattr(carrier, REPLAY_ATTR, replay)
+    (bshd without a mask: attach before each micro-batch; a recomputed forward that finds another
+    micro batch's replay there raises). None detaches."""
+    setattr(micro_batch.as_carrier(carrier), REPLAY_ATTR, replay)
 
 
 def indexer_replay_of(carrier) -> Optional[IndexerReplay]:
-    return getattr(carrier, REPLAY_ATTR, None)
+    return getattr(micro_batch.as_carrier(carrier), REPLAY_ATTR, None)
 
 
 class IndexerTopkRecorder:
@@ -283,7 +288,7 @@ class IndexerTopkRecorder:
 
 def attach_indexer_topk_recorder(carrier, recorder: Optional[IndexerTopkRecorder]) -> None:
     """Record the top-k of the next forward that uses ``carrier`` (see :func:`attach_indexer_replay`)."""
-    setattr(carrier, RECORDER_ATTR, recorder)
+    setattr(micro_batch.as_carrier(carrier), RECORDER_ATTR, recorder)
 
 
 # --------------------------------------------------------------------------- the mismatch

@@ -161,7 +161,7 @@ def stage_kept_parts(card: dict, tp: int, cp: int, seq: int, micro_batch: int, t
     (:func:`layer_kept_parts`):
 
     * ``index_holder``: with index sharing (``index_topk_freq > 1``) each computing layer's top-k
-      [t, topk] int32 stays on the micro batch's carrier (``GLM5DSAttention._holder``) for the
+      [t, topk] int32 stays on the micro batch's carrier (``model.micro_batch``) for the
       layers that reuse it, outside autograd, and so under recompute too; without recompute the
       same tensor is the computing layer's kept ``indices`` (0 here). Counted once per micro batch
       in flight (a carrier per micro batch: its packed-sequence parameters or attention mask);

@@ -1,0 +1,72 @@
+"""What one micro batch carries from layer to layer: index sharing's top-k, the CP shard, indexer
+replay and its recorder, kept as attributes of an object the micro batch's every DSA layer sees.
+
+The carrier, as megatron-core's DSA picks it: the micro batch's ``PackedSeqParams`` (THD), else its
+attention mask, else the model's ``TransformerConfig``. For a mask the carrier is the mask's
+storage, not the tensor: recompute (megatron-core's ``CheckpointFunction``) hands a layer
+``mask.detach()``, a new tensor over the same storage, so state set on the tensor would be lost
+in a recomputed forward while state on the storage is found again. The config is one object for
+every micro batch (a mask object reused for every micro batch is too): what a micro batch leaves
+on it is replaced by the next micro batch's forward.
+
+That matters for a *recomputed* forward (megatron-core's full recompute, or selective recompute of
+the core attention), which runs in backward: with pipeline parallelism 1F1B runs up to ``pp``
+forwards between a micro batch's forward and its backward. :class:`RecomputeCheck` makes such a
+read loud: a forward that will be recomputed (training, grad disabled: a reentrant checkpoint's
+first pass) queues a token of what it read; the recompute pops it and the caller compares it with
+what it reads now.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Hashable, Optional
+
+import torch
+
+__all__ = ["carrier", "as_carrier", "state", "graph_task", "RecomputeCheck"]
+
+
+def carrier(packed_seq_params: Any, attention_mask: Optional[torch.Tensor], config: Any) -> Any:
+    """The object a micro batch's DSA state rides on (see the module doc)."""
+    return as_carrier(packed_seq_params if packed_seq_params is not None else
+                      attention_mask if attention_mask is not None else config)
+
+
+def as_carrier(obj: Any) -> Any:
+    """``obj`` as state is kept on it: a tensor (a mask a client attaches replay to) by its storage."""
+    return obj.untyped_storage() if isinstance(obj, torch.Tensor) else obj
+
+
+def state(obj: Any, attr: str) -> dict:
+    """The dict named ``attr`` on a carrier, created empty on first use."""
+    found = getattr(obj, attr, None)
+    if found is None:
+        found = {}
+        setattr(obj, attr, found)
+    return found
+
+
+def graph_task() -> int:
+    """The running autograd graph task, ``-1`` outside backward (``torch.utils.checkpoint`` reads it
+    the same way): a forward run with ``graph_task() != -1`` is a recompute."""
+    return torch._C._current_graph_task_id()
+
+
+class RecomputeCheck:
+    """Pairs a layer's recomputed forward with the forward it repeats.
+
+    :meth:`forward_read` in a forward (outside backward) queues ``token`` when the forward will be
+    recomputed (``training`` and grad disabled); :meth:`recompute_read` in a recompute pops the
+    oldest queued token (micro batches are recomputed in the order their forwards ran, per layer),
+    or returns ``None`` when none was queued."""
+
+    def __init__(self):
+        self._queued: deque[Hashable] = deque()
+
+    def forward_read(self, token: Hashable, training: bool) -> None:
+        if training and not torch.is_grad_enabled():
+            self._queued.append(token)
+
+    def recompute_read(self) -> Optional[Hashable]:
+        return self._queued.popleft() if self._queued else None
