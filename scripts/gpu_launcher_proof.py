@@ -1,8 +1,12 @@
 #!/usr/bin/env python
-"""H200 proof for the launchers: 50 steps each (LoRA, PPO, MTP) of a small 4-layer GLM-5-shaped model
+"""GPU proof for the launchers: 50 steps each (LoRA, PPO, MTP) of a small 4-layer GLM-5-shaped model
 (GLM-5's indexer: 32 heads x 128, top-k 2048; narrow trunk) with the TileLang backend, at each
 ``--seq-len`` (default 4096 and 16384 tokens per sequence); per-step JSON lines
-(``launcher_{job}_{seq}.jsonl``), a summary of every log under --out and a chart of the losses."""
+(``launcher_{job}_{seq}.jsonl``), a summary of every log under --out and a chart of the losses.
+
+Job ``ppo-replay``: the PPO launcher records the rollout batch's indexer top-k with
+``--record-indexer-topk`` (standing in for the rollout engine), then trains on it with
+``--indexer-replay --indexer-topk-overlap``."""
 
 import argparse
 import glob
@@ -28,22 +32,28 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="tilelang")
     ap.add_argument("--seq-len", default="4096,16384", help="comma-separated sequence lengths")
-    ap.add_argument("--jobs", default="lora,ppo,mtp")
+    ap.add_argument("--jobs", default="lora,ppo,mtp", help="comma-separated: lora, ppo, mtp, ppo-replay")
     ap.add_argument("--summarize-only", action="store_true", help="only rebuild the summary and chart from --out's logs")
     a = ap.parse_args()
     over = sum((["--card-override", f"{k}={json.dumps(v)}"] for k, v in SMALL.items()), [])
-    mains = {"lora": lora.main, "ppo": ppo.main, "mtp": mtp.main}
+    mains = {"lora": lora.main, "ppo": ppo.main, "mtp": mtp.main, "ppo-replay": ppo.main}
     if not a.summarize_only:
         for seq, job in itertools.product(a.seq_len.split(","), a.jobs.split(",")):
             common = ["--card", "tiny", "--backend", a.backend, "--device", a.device, "--seq-len", seq,
                       "--batch-size", str(max(1, 8192 // int(seq))), "--steps", str(a.steps), "--lr", "3e-4"] + over
             extra = ["--lr", "3e-3"] if job == "lora" else []
+            if job == "ppo-replay":
+                rollouts = os.path.join(a.out, f"rollouts_indexer_topk_{seq}.pt")
+                ppo.main(common + ["--record-indexer-topk", rollouts])
+                extra = ["--rollouts", rollouts, "--indexer-replay", "--indexer-topk-overlap"]
             mains[job](common + extra + ["--log-json", os.path.join(a.out, f"launcher_{job}_{seq}.jsonl")])
     summary = summarize(a.out)
     for run, s in summary.items():
         print(f"{run:11s} steps {s['steps']} loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} "
               f"grad-norm finite {s['all_grad_norms_finite']} (max {s['max_grad_norm']:.3f}) guard events "
-              f"{s['guard_events']} tok/s {s['tokens_per_s_last']:.0f}")
+              f"{s['guard_events']} tok/s {s['tokens_per_s_last']:.0f}"
+              + (f" top-k overlap {s['indexer_topk_overlap_first']:.4f} -> {s['indexer_topk_overlap_last']:.4f}"
+                 if "indexer_topk_overlap_last" in s else ""))
 
 
 def summarize(out: str) -> dict:
@@ -51,7 +61,7 @@ def summarize(out: str) -> dict:
     logs = sorted(glob.glob(os.path.join(out, "launcher_*_*.jsonl")))
     runs = {}
     for log in logs:
-        job, seq = os.path.basename(log)[len("launcher_"):-len(".jsonl")].split("_")
+        job, seq = os.path.basename(log)[len("launcher_"):-len(".jsonl")].rsplit("_", 1)
         runs[f"{job}@{seq}"] = [json.loads(x) for x in open(log)]
     summary = {}
     for run, rows in runs.items():
@@ -62,6 +72,9 @@ def summarize(out: str) -> dict:
             all_grad_norms_finite=all(r["grad_norm"] == r["grad_norm"] and abs(r["grad_norm"]) < 1e30 for r in rows),
             max_grad_norm=max(r["grad_norm"] for r in rows), guard_events=rows[-1]["guard_events"],
             tokens_per_s_last=rows[-1]["tokens_per_s"])
+        if "indexer_topk_overlap" in rows[-1]:
+            summary[run]["indexer_topk_overlap_first"] = rows[0]["indexer_topk_overlap"]
+            summary[run]["indexer_topk_overlap_last"] = rows[-1]["indexer_topk_overlap"]
     json.dump(summary, open(os.path.join(out, "launcher_summary.json"), "w"), indent=1)
     try:
         import matplotlib
