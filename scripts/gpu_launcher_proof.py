@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from glm5_dsa_plugin.train import lora, mtp, ppo  # noqa: E402
@@ -43,7 +44,7 @@ def main():
                       "--batch-size", str(max(1, 8192 // int(seq))), "--steps", str(a.steps), "--lr", "3e-4"] + over
             extra = ["--lr", "3e-3"] if job == "lora" else []
             if job == "ppo-replay":
-                rollouts = os.path.join(a.out, f"rollouts_indexer_topk_{seq}.pt")
+                rollouts = os.path.join(tempfile.gettempdir(), f"rollouts_indexer_topk_{seq}.pt")  # 0.4 GB at 16K
                 ppo.main(common + ["--record-indexer-topk", rollouts])
                 extra = ["--rollouts", rollouts, "--indexer-replay", "--indexer-topk-overlap"]
             mains[job](common + extra + ["--log-json", os.path.join(a.out, f"launcher_{job}_{seq}.jsonl")])
