@@ -42,7 +42,6 @@ from .shared_topk import HOLDER_ATTR, SharedTopk, StaleMicroBatchStateError
 from .switches import apply_guard_policy, resolve_switches
 from ..ops import guard_policy, sparse_mla
 from ..ops.fp8_kv import fake_quant_kv
-from ..ops.indexer import fp8_index
 from .value_projection import value_up_projection
 
 __all__ = ["GLM5DSAIndexerSubmodules", "GLM5DSAttentionSubmodules", "GLM5DSAIndexer", "GLM5DSAttention"]
@@ -107,9 +106,7 @@ class GLM5DSAIndexer(MegatronModule):
         """Top-k indices [T, topk] of the indexer scores: bf16 / fp32 (:func:`indexer.select_topk`), or with
         ``dsa_indexer_precision="fp8"`` the FP8 scores of the rollout engines (Hadamard, e4m3, UE8M0
         scales); both highest first, ties to the lower key index, -1 last."""
-        if self.precision == "fp8":
-            return fp8_index.fp8_select_topk(q, k, w, self.topk, vis.mask)
-        return indexer.select_topk(q, k, w, self.topk, vis, check=False)
+        return indexer.select_topk(q, k, w, self.topk, vis, check=False, precision=self.precision)
 
     def _k_norm(self, k: torch.Tensor) -> torch.Tensor:
         """LayerNorm of the indexer key; on fp32 inputs (result cast back) with ``dsa_indexer_k_norm_fp32``."""

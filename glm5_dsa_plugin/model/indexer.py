@@ -23,6 +23,7 @@ import torch
 
 from ..ops import indexer as indexer_kernels
 from ..ops.contract import PAD_INDEX
+from ..ops.indexer import fp8_index
 
 __all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "deterministic_topk", "score_keys",
            "INVISIBLE_KEY", "topk_from_keys", "topk_row_block", "select_topk", "check_topk",
@@ -181,11 +182,13 @@ def topk_row_block(n_keys: int) -> int:
 
 
 def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vis: Visibility,
-                chunk_rows: int | None = None, check: bool = True) -> torch.Tensor:
+                chunk_rows: int | None = None, check: bool = True, precision: str = "bf16") -> torch.Tensor:
     """Indices [T, topk] int32 in packed kv coordinates, chunked over query rows.
 
     :func:`deterministic_topk` of the masked scores (highest score first, ties to the lower key
-    index, -1 last), the keys fused into the score kernel on a GPU. Every emitted index is visible to its row (same sequence, not in the
+    index, -1 last), the keys fused into the score kernel on a GPU. ``precision="fp8"`` scores as
+    the rollout engines do (:func:`glm5_dsa_plugin.ops.indexer.fp8_index.fp8_index_scores`: Hadamard
+    rotation, e4m3 with UE8M0 scales, q and k quantised once), on the same kernel and in the same order. Every emitted index is visible to its row (same sequence, not in the
     future) and < T_kv; -1 fills the slots a row cannot use. ``check`` verifies all of that before
     returning (three host reads and a sort; a violation is a bug here, raised). The attention module
     passes ``check=False``: these hold by construction (tested), and ``sparse_mla`` validates the index
@@ -194,6 +197,12 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     T, Hi, _ = q.shape
     n = k.shape[0]
     out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
+    key_scale = None
+    if precision == "fp8":
+        k, key_scale = fp8_index.quantize_keys(k)
+        q, w = fp8_index.quantize_queries(q, w)
+    elif precision != "bf16":
+        raise ValueError(f"select_topk: precision must be 'bf16' or 'fp8', got {precision!r}")
     use_triton = q.is_cuda and indexer_kernels.triton_available()
     if chunk_rows:
         c = chunk_rows
@@ -212,9 +221,11 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
             keys = None
             if use_triton:
                 keys = _triton_scores(q[t0:t1], k[:m], w[t0:t1], vis.query_seq[t0:t1], vis.query_pos[t0:t1],
-                                      qidx[t0:t1], vis.key_seq[:m], vis.key_pos[:m])
+                                      qidx[t0:t1], vis.key_seq[:m], vis.key_pos[:m],
+                                      None if key_scale is None else key_scale[:m])
             if keys is None:
-                sc = index_scores(q[t0:t1], k[:m], w[t0:t1])
+                sc = (index_scores(q[t0:t1], k[:m], w[t0:t1]) if key_scale is None
+                      else fp8_index.fp8_index(q[t0:t1], w[t0:t1], k[:m], key_scale[:m]))
                 keys = score_keys(sc.masked_fill(~vis.mask(slice(t0, t1))[:, :m], float("-inf")))
             out[t0:t1] = topk_from_keys(keys, topk)
             del keys
@@ -223,12 +234,12 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     return out
 
 
-def _triton_scores(q, k, w, qs, qp, qi, ks, kp):
+def _triton_scores(q, k, w, qs, qp, qi, ks, kp, key_scale=None):
     """Fused masked top-k keys, or None (after one warning) if the kernel cannot run here."""
     from ..ops.indexer import masked_scores
 
     try:
-        return masked_scores.masked_index_scores(q, k, w, qs, qp, qi, ks, kp, keys=True)
+        return masked_scores.masked_index_scores(q, k, w, qs, qp, qi, ks, kp, keys=True, key_scale=key_scale)
     except Exception as exc:  # noqa: BLE001 - a performance path: fall back to the exact torch path
         indexer_kernels.disable(exc, stacklevel=4)
         return None

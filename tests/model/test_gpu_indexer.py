@@ -117,3 +117,31 @@ def test_loss_target_from_lse_matches_reference_at_glm5_sizes():
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     rows = (idx >= 0).any(-1)
     torch.testing.assert_close(got.sum(-1)[rows], torch.full_like(got.sum(-1)[rows], float(H)), rtol=1e-3, atol=0)
+
+
+def test_fp8_topk_kernel_selects_the_reference_fp8_set_at_glm5_sizes():
+    """``select_topk(precision="fp8")`` (the Triton kernel on e4m3 operands widened to bf16) against the
+    published FP8 definition in torch (fp8_index.fp8_select_topk) at GLM-5's indexer shape: the same set
+    in every row, up to keys whose fp32 score ties the row's last selected score within summation-order
+    rounding (1e-5 relative)."""
+    from glm5_dsa_plugin.ops.indexer import fp8_index
+
+    T, Hi, Di, K = 4096, 32, 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = (torch.randn(T, Hi, Di, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    k = (torch.randn(T, Di, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    w = torch.randn(T, Hi, generator=g, device="cuda") * Hi**-0.5
+    vis = indexer.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda")
+    got = indexer.select_topk(q, k, w, K, vis, precision="fp8")
+    ref = fp8_index.fp8_select_topk(q, k, w, K, vis.mask)
+    assert torch.equal(got == -1, ref == -1)
+    scores = fp8_index.fp8_index_scores(q, k, w).masked_fill(~vis.mask(), float("-inf"))
+    kth = scores.gather(1, ref.long().clamp_min(0)).masked_fill(ref < 0, float("inf")).amin(1, keepdim=True)
+    in_got = torch.zeros(T, T + 1, dtype=torch.bool, device="cuda").scatter_(1, got.long() % (T + 1), True)[:, :T]
+    in_ref = torch.zeros(T, T + 1, dtype=torch.bool, device="cuda").scatter_(1, ref.long() % (T + 1), True)[:, :T]
+    differ = in_got ^ in_ref
+    tie = (scores - kth).abs() <= 1e-5 * kth.abs()
+    assert not (differ & ~tie).any(), f"{int((differ & ~tie).sum())} members differ beyond a tie"
+    agreement = 1 - differ.sum().item() / (2 * in_ref.sum().item())
+    print(f"fp8 top-k member agreement with the reference: {agreement:.6f}")
+    assert agreement > 0.9999

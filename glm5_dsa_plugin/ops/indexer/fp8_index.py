@@ -115,10 +115,18 @@ def fp8_index_scores(q: torch.Tensor, k: torch.Tensor | tuple, w: torch.Tensor, 
     if w.shape != (C, Hi):
         raise ValueError(f"fp8 indexer: w must be {(C, Hi)}, got {tuple(w.shape)}")
     k8, ks = k if isinstance(k, tuple) else quantize_keys(k, rotate)
+    return fp8_index(*quantize_queries(q, w, rotate), k8, ks)
+
+
+def quantize_queries(q: torch.Tensor, w: torch.Tensor, rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer queries q [C, Hi, D] (after RoPE, D = 128) and w [C, Hi] -> (q8 [C, Hi, D] e4m3,
+    weights [C, Hi] fp32 = ``w * q_scale * D ** -0.5``): the query operands of :func:`fp8_index`."""
+    D = q.shape[-1]
+    if D != BLOCK:
+        raise ValueError(f"fp8 indexer: head dim {D} must be {BLOCK} (one scale per head), q is {tuple(q.shape)}")
     qr = hadamard_rotate(q.to(torch.bfloat16)) if rotate else q
     q8, qs = act_quant(qr.contiguous())
-    weights = w.float() * qs[..., 0] * (D ** -0.5)
-    return fp8_index(q8, weights, k8, ks)
+    return q8, w.float() * qs[..., 0] * (D ** -0.5)
 
 
 def topk_ordered(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -157,5 +165,6 @@ def fp8_select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int
     return out
 
 
-__all__ = ["act_quant", "ue8m0_ceil", "hadamard_rotate", "fp8_index", "quantize_keys", "fp8_index_scores",
+__all__ = ["act_quant", "ue8m0_ceil", "hadamard_rotate", "fp8_index", "quantize_keys", "quantize_queries",
+           "fp8_index_scores",
            "topk_ordered", "fp8_select_topk", "E4M3_MAX", "BLOCK"]
