@@ -11,6 +11,8 @@ bf16, TP 1, local linears, indexer loss on. Implementations, same weights, same 
     ours_replay   ours training on replayed indices (its own recorded top-k, handed back through
                   ``glm5_dsa_plugin.model.indexer_replay``: the indexer's top-k is skipped, the
                   indices come from pinned host memory and stay on the GPU once copied)
+    ours_rollout  ours with the rollout-matched numerics (``dsa_indexer_precision="fp8"``: the FP8
+                  indexer top-k; ``dsa_kv_fp8_qat=True``: sparse MLA reads the FP8-cache latent)
     ours_te       ours with ``transformer_impl="transformer_engine"`` (TE linears and norms)
     mcore_te      mcore_sparse on TransformerEngine modules (megatron-core's TE DSA spec)
 
@@ -74,7 +76,10 @@ def make_config(dims, layer: str, impl: str, device: str, reuse: bool = False):
                 dsa_indexer_use_sparse_loss=impl != "mcore_dense")
     if impl.startswith("mcore") and device == "cuda":
         over["dsa_kernel_backend"] = "tilelang"
-    return cards.card_to_transformer_config(card, **over)
+    cfg = cards.card_to_transformer_config(card, **over)
+    if impl == "ours_rollout":  # attributes, as the launchers set them (megatron-core's dataclass has neither)
+        cfg.dsa_indexer_precision, cfg.dsa_kv_fp8_qat = "fp8", True
+    return cfg
 
 
 def build_layer(cfg, layer: str, impl: str, layer_number: int = 1):
@@ -380,7 +385,7 @@ def breakdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-IMPLS = ("ours", "ours_replay", "mcore_sparse", "mcore_dense", "ours_te", "mcore_te")
+IMPLS = ("ours", "ours_replay", "ours_rollout", "mcore_sparse", "mcore_dense", "ours_te", "mcore_te")
 
 
 def merge_rows(old: list[dict], new: list[dict], key=("layer", "T", "impl")) -> list[dict]:
