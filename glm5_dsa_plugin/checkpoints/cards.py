@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CARDS_DIR", "CARD_ALIASES", "ARCH_FIELDS", "available_cards", "load_card", "indexer_rope_interleave",
+__all__ = ["CARDS_DIR", "CARD_ALIASES", "ARCH_FIELDS", "available_cards", "load_card", "index_sharing",
+           "indexer_rope_interleave",
            "rope_theta", "card_to_hf_config", "hf_config_to_card", "DSA_GEOMETRY_KEYS", "dsa_geometry",
            "card_to_transformer_config", "with_overrides"]
 
@@ -117,6 +118,12 @@ def hf_config_to_card(cfg, name: str = "from-hf") -> dict:
         freq, offset = _infer_sharing(types)
     card["index_topk_freq"], card["index_skip_topk_offset"] = freq or 1, offset or 0
     return card
+
+
+def index_sharing(card: Mapping) -> tuple[int, int]:
+    """A card's index-sharing schedule ``(index_topk_freq, index_skip_topk_offset)``; ``(1, 0)``
+    (every layer computes its top-k) where the card leaves them unset or None."""
+    return card.get("index_topk_freq") or 1, card.get("index_skip_topk_offset") or 0
 
 
 def _infer_sharing(types: list[str]) -> tuple[int, int]:

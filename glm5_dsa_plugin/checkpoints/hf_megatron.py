@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from . import block_fp8
+from .cards import index_sharing
 from .hybrid_names import gpt_to_hybrid_name
 from ..model.indexer import computes_indices
 
@@ -167,7 +168,7 @@ def name_plan(card: dict, include_mtp: bool = True, model: str = "gpt") -> list[
         raise ValueError(f"model must be 'gpt' or 'hybrid', got {model!r}")
     n, k = card["num_hidden_layers"], card.get("first_k_dense_replace", 0)
     plan = [("copy", m, [h]) for m, h in _GLOBAL]
-    freq, offset = card.get("index_topk_freq", 1) or 1, card.get("index_skip_topk_offset", 0) or 0
+    freq, offset = index_sharing(card)
     for i in range(n):
         plan += list(_layer_pairs(f"decoder.layers.{i}.", f"model.layers.{i}.", card, is_moe=i >= k,
                                   has_indexer=computes_indices(i + 1, freq, offset)))

@@ -60,7 +60,7 @@ def describe_pattern(args, card: dict) -> str:
                                    getattr(args, "decoder_last_pipeline_num_layers", None))
     pattern = glm5_hybrid_layer_pattern(card, stage_layers=stages)
     try:
-        check_index_sharing(pattern, card.get("index_topk_freq") or 1, card.get("index_skip_topk_offset") or 0)
+        check_index_sharing(pattern, *cards.index_sharing(card))
         verdict = "index sharing stays on each stage"
     except ValueError as exc:
         verdict = f"refused: {exc}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..checkpoints.cards import index_sharing
 from .attention_memory import attention_activation_parts, attention_transient_parts
 
 __all__ = ["GIB", "RECOMPUTE", "OPTIMIZERS", "Training", "StageMemory", "lora_modules", "lora_params_per_layer",
@@ -170,7 +171,7 @@ def stage_kept_parts(card: dict, tp: int, cp: int, seq: int, micro_batch: int, t
     h, topk = card["hidden_size"], card["index_topk"]
     t = micro_batch * seq // cp
     t_sp = t // tp if tp > 1 else t
-    sharing = card.get("index_topk_freq", 1) > 1
+    sharing = index_sharing(card)[0] > 1
     out = dict(index_holder=computing_layers * t * topk * 4 if sharing and training.recompute == "full" else 0)
     out["final_norm"] = (t_sp * h * 2 + t_sp * 4) if last_stage else 0
     return out

@@ -135,7 +135,7 @@ def layer_kind_params(card: dict, tp: int, ep: int) -> dict[tuple[bool, bool], t
     """{(is_moe, computes indices): (parameters, routed-expert parameters)} of one layer on one rank,
     each kind built once through the spec on the meta device."""
     n, k = card["num_hidden_layers"], card.get("first_k_dense_replace", 0)
-    freq = card.get("index_topk_freq", 1)
+    freq, _ = cards.index_sharing(card)
     config = cards.card_to_transformer_config(card, moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
                                               transformer_impl="local", mtp_num_layers=None)
     kinds = {}
@@ -158,7 +158,7 @@ def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int, first_stage_l
     TP / EP) skips the meta builds."""
     n = card["num_hidden_layers"]
     k = card.get("first_k_dense_replace", 0)
-    freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
+    freq, off = cards.index_sharing(card)
     check_layout(card, tp, ep, cp, seq, cp_layout)
     kinds = kinds or layer_kind_params(card, tp, ep)
     V, Hd = card["vocab_size"], card["hidden_size"]
@@ -199,7 +199,7 @@ def stage_memory(card: dict, stages: list[Stage], tp: int, pp: int, ep: int, cp:
     optimizer), the activations of the micro batches in flight under 1F1B, and the larger of one
     layer's transient peak and, on the last stage, the logits and loss."""
     k = card.get("first_k_dense_replace", 0)
-    freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
+    freq, off = cards.index_sharing(card)
     lora = (memory.lora_params_per_layer(card, training.lora_dim, tp, training.lora_indexer)
             if training.lora_dim is not None else 0)
     out = []
@@ -351,7 +351,7 @@ def plan_and_print(args, card: dict) -> int:
     mems = stage_memory(card, stages, args.tp, args.pp, args.ep, args.cp, seq, mb, training, args.dp,
                         args.micro_batches, layout)
     name = card.get("_card", {}).get("name", "card")
-    freq, off = card.get("index_topk_freq", 1), card.get("index_skip_topk_offset", 0)
+    freq, off = cards.index_sharing(card)
     cp_desc = f" ({layout} allgather CP)" if args.cp > 1 else ""
     what = (f"LoRA rank {training.lora_dim}" if training.lora_dim is not None else "every parameter") + \
         f" trains, {training.optimizer} AdamW" + (" (distributed)" if training.distributed_optimizer else "")

@@ -191,3 +191,12 @@ def test_logits_and_selected_indices_match_hf_transformers(megatron_single_proce
     half = _our_model(card, hf, dsa_indexer_rope_interleaved=False)
     _, half_sel = _our_run(half, tok)
     assert not all(_index_sets_equal(half_sel[n], hf_sel[n - 1], B, S) for n in (1, 2, 3))
+
+
+def test_index_sharing_reads_the_cards_schedule_and_defaults_unset_fields():
+    from glm5_dsa_plugin.checkpoints.cards import index_sharing, load_card
+
+    assert index_sharing(load_card("glm5.2")) == (4, 3)
+    assert index_sharing(load_card("glm5")) == (1, 0)
+    assert index_sharing({"index_topk_freq": None, "index_skip_topk_offset": None}) == (1, 0)
+    assert index_sharing({}) == (1, 0)
