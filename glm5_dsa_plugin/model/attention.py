@@ -183,11 +183,8 @@ class GLM5DSAttention(MegatronModule):
         """A recomputed forward on a carrier shared by micro batches must find the replay its forward
         used (a client attaches each micro batch's replay to the config before its forward)."""
         token = replay.serial if replay is not None else 0
-        if micro_batch.graph_task() == -1:
-            self._replay_check.forward_read(token, self.training)
-            return
-        seen = self._replay_check.recompute_read()
-        if shared_carrier and seen != token:
+        recomputing, seen = self._replay_check.read(token, self.training)
+        if recomputing and shared_carrier and seen != token:
             raise StaleMicroBatchStateError(
                 f"DSA layer {self.layer_number}: a recomputed forward finds indexer replay {token or 'none'} on the "
                 f"model's config, but this micro batch's forward used replay {seen or 'none'} (another micro batch's "

@@ -56,17 +56,18 @@ def graph_task() -> int:
 class RecomputeCheck:
     """Pairs a layer's recomputed forward with the forward it repeats.
 
-    :meth:`forward_read` in a forward (outside backward) queues ``token`` when the forward will be
-    recomputed (``training`` and grad disabled); :meth:`recompute_read` in a recompute pops the
-    oldest queued token (micro batches are recomputed in the order their forwards ran, per layer),
-    or returns ``None`` when none was queued."""
+    :meth:`read` of the micro-batch state ``token`` a layer is about to use: in a forward (outside
+    backward) it queues ``token`` when the forward will be recomputed (``training`` and grad
+    disabled) and returns ``(False, None)``; in a recompute it returns ``(True, seen)``, ``seen``
+    the oldest queued token (micro batches are recomputed in the order their forwards ran, per
+    layer) or ``None`` when none was queued. The caller compares ``seen`` with ``token``."""
 
     def __init__(self):
         self._queued: deque[Hashable] = deque()
 
-    def forward_read(self, token: Hashable, training: bool) -> None:
-        if training and not torch.is_grad_enabled():
-            self._queued.append(token)
-
-    def recompute_read(self) -> Optional[Hashable]:
-        return self._queued.popleft() if self._queued else None
+    def read(self, token: Hashable, training: bool) -> tuple[bool, Optional[Hashable]]:
+        if graph_task() == -1:
+            if training and not torch.is_grad_enabled():
+                self._queued.append(token)
+            return False, None
+        return True, (self._queued.popleft() if self._queued else None)

@@ -56,12 +56,9 @@ class SharedTopk:
                 f"forward (pipeline stage split on a reusing layer?)")
         indices = holder[self.source]
         serial, written_in = state(carrier, _STAMPS_ATTR)[self.source]
-        task = graph_task()
-        if task == -1:
-            self._check.forward_read(serial, training)
-            return indices
-        seen = self._check.recompute_read()
-        if written_in != task and seen != serial and (seen is not None or shared_carrier):
+        recomputing, seen = self._check.read(serial, training)
+        if (recomputing and written_in != graph_task() and seen != serial
+                and (seen is not None or shared_carrier)):
             raise StaleMicroBatchStateError(
                 f"DSA layer {self.layer} reuses the top-k of layer {self.source} in a recomputed forward, but another "
                 f"micro batch's forward has replaced it since this micro batch's forward (write {serial}; this micro "
