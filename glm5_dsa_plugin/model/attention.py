@@ -38,7 +38,7 @@ from . import indexer_replay as replay_mod
 from . import rollout_numerics
 from .dsa_fields import check_dsa_config, dsa_geometry
 from . import micro_batch
-from .shared_topk import HOLDER_ATTR, SharedTopk, StaleMicroBatchStateError
+from .shared_topk import SharedTopk, StaleMicroBatchStateError
 from .switches import apply_guard_policy, resolve_switches
 from ..ops import guard_policy, sparse_mla
 from ..ops.fp8_kv import fake_quant_kv
@@ -137,8 +137,6 @@ class GLM5DSAttention(MegatronModule):
 
     consumes_absorbed_v_up_projection = True
     requires_dsa_inputs = True
-    _HOLDER_ATTR = HOLDER_ATTR
-    _CP_SHARDS_ATTR = "_glm5_dsa_cp_shards"
     _backend_override: Optional[str] = None
 
     def __init__(self, config: TransformerConfig, submodules: GLM5DSAttentionSubmodules, layer_number: int,
@@ -229,7 +227,7 @@ class GLM5DSAttention(MegatronModule):
         # into global packed order below, so indices are rows of the gathered kv
         cp_shard = None
         if cp > 1:  # one shard per micro batch, shared by its layers (on the index-sharing holder's carrier)
-            shards = micro_batch.state(self._carrier(packed_seq_params, attention_mask), self._CP_SHARDS_ATTR)
+            shards = micro_batch.state(self._carrier(packed_seq_params, attention_mask), micro_batch.CP_SHARDS_ATTR)
             shard_key = (id(cp_group), self.cp_layout, s, b, query.device)
             if shard_key not in shards:
                 shards[shard_key] = shard(cp_group, self.cp_layout, s * b, batch=b, device=query.device,

@@ -24,7 +24,9 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-__all__ = ["carrier", "as_carrier", "state", "graph_task", "RecomputeCheck"]
+__all__ = ["CP_SHARDS_ATTR", "carrier", "as_carrier", "state", "graph_task", "RecomputeCheck"]
+
+CP_SHARDS_ATTR = "_glm5_dsa_cp_shards"  # {(cp group, layout, rows, batch, device): the micro batch's CP shard}
 
 
 def carrier(packed_seq_params: Any, attention_mask: Optional[torch.Tensor], config: Any) -> Any:

@@ -5,6 +5,7 @@ import torch
 
 from glm5_dsa_plugin.checkpoints import cards
 from glm5_dsa_plugin.megatron import spec
+from glm5_dsa_plugin.model.shared_topk import HOLDER_ATTR
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -94,8 +95,6 @@ def test_te_model_matches_the_local_model_and_trains(megatron_single_process):
     selections equal; then 50 AdamW steps of the TE model on a fixed batch with finite gradient
     norms and a falling loss."""
     pytest.importorskip("transformer_engine")
-    from glm5_dsa_plugin.model.attention import GLM5DSAttention
-
     models, te_name, card = _glm52_pair()
     B, S = 2, 64
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -103,10 +102,10 @@ def test_te_model_matches_the_local_model_and_trains(megatron_single_process):
     pos = torch.arange(S, device="cuda")[None].expand(B, S)
     res = {}
     for impl, (model, cfg) in models.items():
-        setattr(cfg, GLM5DSAttention._HOLDER_ATTR, {})
+        setattr(cfg, HOLDER_ATTR, {})
         loss = model(tok[:, :-1], pos, None, labels=tok[:, 1:]).float().mean()
         loss.backward()
-        res[impl] = dict(loss=float(loss), indices=dict(getattr(cfg, GLM5DSAttention._HOLDER_ATTR)),
+        res[impl] = dict(loss=float(loss), indices=dict(getattr(cfg, HOLDER_ATTR)),
                          grads={n: p.grad.float() for n, p in model.module.named_parameters()})
     a, b = res["local"], res["transformer_engine"]
     assert abs(a["loss"] - b["loss"]) <= 1e-2 * abs(a["loss"]), (a["loss"], b["loss"])

@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from glm5_dsa_plugin.checkpoints import cards
+from glm5_dsa_plugin.model.shared_topk import HOLDER_ATTR
 
 WORLD = 4
 # name: (format, layout, real lengths (THD) or (s, b) (bshd), padded lengths or None, index sharing)
@@ -134,7 +135,7 @@ def _run_case(name, cp, rank, device="cpu", variant="reference"):
         t = {k: v.to(device, var["dtype"]) for k, v in _inputs(card, fmt, sizes, padded, g).items()}
         r = _forward_backward(att, t, rows, psp, cp)
         carrier = psp if psp is not None else cfg
-        holder = getattr(carrier, att._HOLDER_ATTR, {})
+        holder = getattr(carrier, HOLDER_ATTR, {})
         r["indices"] = holder.get(layer)
         res[layer] = _to_cpu(r)
     return res

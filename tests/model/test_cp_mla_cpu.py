@@ -91,6 +91,7 @@ def _run_case(name, cp, device="cpu", config=None):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from glm5_dsa_plugin.checkpoints import cards
+    from glm5_dsa_plugin.model.shared_topk import HOLDER_ATTR
 
     fmt, sizes, padded = CASES[name]
     card = _card(sharing=True)
@@ -115,7 +116,7 @@ def _run_case(name, cp, device="cpu", config=None):
         h = hidden[rows].clone().requires_grad_(True)
         out, _ = att(h, None, packed_seq_params=psp)
         out.backward(grad[rows] * cp)
-        holder = getattr(psp if psp is not None else cfg, att.core_attention._HOLDER_ATTR, {})
+        holder = getattr(psp if psp is not None else cfg, HOLDER_ATTR, {})
         r = dict(module=type(att).__name__, out=out.detach(), dhidden=h.grad, indices=holder.get(layer),
                  loss=getattr(att.core_attention, "last_indexer_loss", None),
                  params={n: p.grad for n, p in att.named_parameters()}, zigzag_rope_out=zigzag_out)

@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from glm5_dsa_plugin.checkpoints import cards
+from glm5_dsa_plugin.model.shared_topk import HOLDER_ATTR
 from test_cp_cpu import CASES, LAYERS_PLAIN, LAYERS_SHARING, WORLD, _card, _forward_backward, _inputs, _local_rows, \
     _packed, _to_cpu, check_parity, run_cp_cases
 
@@ -80,7 +81,7 @@ def _run_case(name, cp, rank):
         att.backend = "reference"
         t = _inputs(card, fmt, sizes, padded, g)
         r = _forward_backward(att, t, rows, psp, cp)
-        holder = getattr(carrier, att._HOLDER_ATTR, {})
+        holder = getattr(carrier, HOLDER_ATTR, {})
         r["indices"] = holder.get(layer)
         if layer in replay.indices:  # the layer attended to the replayed keys (each sample's last token aside)
             used = recorder.by_layer[layer]
