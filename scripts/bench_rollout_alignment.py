@@ -2,11 +2,14 @@
 
 The "rollout" forward follows the published inference definitions in inference order: indexer
 scores in FP8 (Hadamard, e4m3 with UE8M0 scales, ``fp8_index``), top-k, the latent kv read back from
-FlashMLA's FP8 cache (656 bytes per token), sparse attention over the gathered keys in fp32 with a bf16
-output, bf16 value up-projection. The training forward is ours: ``GLM5DSAIndexer``'s top-k (``bf16``: the bf16 / fp32
-scores; ``rollout_matched``: ``dsa_indexer_precision="fp8"`` and ``dsa_kv_fp8_qat``) and
-``sparse_mla`` (the TileLang kernel on a GPU). A fixed random readout turns each layer output into
-log-probabilities of random tokens over a 4096-word vocabulary, the quantity an RL loss compares.
+FlashMLA's FP8 cache (656 bytes per token), sparse attention over the gathered keys in fp32 with a
+bf16 output, bf16 value up-projection. The training forward is ours: ``indexer.select_topk`` as
+``GLM5DSAIndexer`` calls it (``bf16``: the bf16 / fp32 scores; ``rollout_matched``:
+``precision="fp8"``, the fused FP8 score kernel on a GPU, with ``dsa_kv_fp8_qat``'s fake-quantised
+latent) and ``sparse_mla`` (``--backend``: "auto", the TileLang kernel on a GPU; "reference", the
+fp32 PyTorch reference, which separates the attention kernel's bf16 arithmetic from the numerics
+matched here). A fixed random readout turns each layer output into log-probabilities of random
+tokens over a 4096-word vocabulary, the quantity an RL loss compares.
 
 Layer: the attention core of one GLM-5.x DSA layer (absorbed MLA: latent 512 + 64, qk head 192 + 64,
 value head 256, indexer 32 heads x 128, top-k 2048), fed random bf16 activations in place of the
@@ -17,8 +20,9 @@ long sequence is more than a CPU can score; the rows' figures are then a sample 
 sequence's (``query_rows`` in each row; the max is the max over the sample).
 
 Rows: {mode, T, topk_member_agreement, rows_below_0_8, logprob_max_abs_diff, logprob_mean_abs_diff,
-width, query_heads, query_rows, card, seconds}. ``--merge`` keeps the rows of other (width, T) already
-in ``--out`` and replaces those this run measures, so each row of the file is its latest result.
+width, query_heads, query_rows, card, backend, seconds}. ``--merge`` keeps the rows of other (width, T,
+card, backend) already in ``--out`` and replaces those this run measures, so each row of the file is its
+latest result.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from glm5_dsa_plugin.model import indexer
 from glm5_dsa_plugin.model.value_projection import value_up_projection
 from glm5_dsa_plugin.ops import fp8_kv, sparse_mla
+from glm5_dsa_plugin.ops.backends import explain_auto
 from glm5_dsa_plugin.ops.indexer import fp8_index
 
 HI, DI, LAT, ROPE, DV, TOPK, VOCAB = 32, 128, 512, 64, 256, 2048, 4096
@@ -87,17 +92,14 @@ def rollout_forward(inp: dict, vis: indexer.Visibility, rows: torch.Tensor, chun
     return idx, logprobs(y, inp, rows)
 
 
-def train_forward(inp: dict, vis: indexer.Visibility, mode: str, rows: torch.Tensor):
-    """Our training forward for query rows ``rows`` against all keys."""
+def train_forward(inp: dict, vis: indexer.Visibility, mode: str, rows: torch.Tensor, backend: str = "auto"):
+    """Our training forward for query rows ``rows`` against all keys (the attention module's calls)."""
     q, qi, wi, rv = inp["q"][rows], inp["qi"][rows], inp["wi"][rows], vis.rows(rows)
     with torch.no_grad():
-        if mode == "rollout_matched":
-            idx = fp8_index.fp8_select_topk(qi, inp["ki"], wi, TOPK, rv.mask)
-            kv = fp8_kv.fake_quant_kv(inp["kv"])
-        else:
-            idx = indexer.select_topk(qi, inp["ki"], wi, TOPK, rv, check=False)
-            kv = inp["kv"]
-        o, _ = sparse_mla(q, kv, idx[:, None, :].contiguous(), SM_SCALE, d_v=LAT)
+        matched = mode == "rollout_matched"
+        idx = indexer.select_topk(qi, inp["ki"], wi, TOPK, rv, check=False, precision="fp8" if matched else "bf16")
+        kv = fp8_kv.fake_quant_kv(inp["kv"]) if matched else inp["kv"]
+        o, _ = sparse_mla(q, kv, idx[:, None, :].contiguous(), SM_SCALE, d_v=LAT, backend=backend)
         y = value_up_projection(o, inp["up_v"].to(o.dtype))
     return idx, logprobs(y, inp, rows)
 
@@ -117,14 +119,15 @@ def agreement(a: torch.Tensor, b: torch.Tensor, chunk: int = 1024) -> torch.Tens
 
 
 def _key(r: dict) -> tuple:
-    return (r.get("width", "tiny"), r["T"])  # rows written before --width are the tiny layer's
+    return r["width"], r["T"], r["card"], r["backend"]
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` without the (width, T) that ``new`` measures, plus ``new``; tiny before full, then T, bf16 first."""
+    """``old`` without the (width, T, card, backend) that ``new`` measures, plus ``new``; sorted by card,
+    backend, tiny before full, then T, bf16 first."""
     mine = {_key(r) for r in new}
     rows = [r for r in old if _key(r) not in mine] + new
-    return sorted(rows, key=lambda r: (_key(r)[0] != "tiny", r["T"], r["mode"] != "bf16"))
+    return sorted(rows, key=lambda r: (r["card"], r["backend"], r["width"] != "tiny", r["T"], r["mode"] != "bf16"))
 
 
 def main() -> int:
@@ -136,11 +139,13 @@ def main() -> int:
                     help="query rows evaluated, evenly strided over [0, T) (default: all T)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of --out this run does not measure (other width / T / row count)")
+    ap.add_argument("--backend", default="auto", help="sparse_mla backend of the training forward")
     ap.add_argument("--out", default="benchmarks/results/rollout_alignment.json")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     card = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     H = WIDTHS[args.width]
+    backend = explain_auto(dev)[0] if args.backend == "auto" else args.backend
     rows = []
     for T in args.seq:
         inp = make_inputs(T, dev, H)
@@ -151,13 +156,13 @@ def main() -> int:
         t_roll = time.perf_counter() - t0
         for mode in ("bf16", "rollout_matched"):
             t1 = time.perf_counter()
-            tidx, tlp = train_forward(inp, vis, mode, sel)
+            tidx, tlp = train_forward(inp, vis, mode, sel, backend)
             ag = agreement(tidx, ridx)
             d = (tlp - rlp).abs()
             rows.append(dict(mode=mode, T=T, topk_member_agreement=round(float(ag.mean()), 6),
                              rows_below_0_8=int((ag < 0.8).sum()), logprob_max_abs_diff=float(d.max()),
                              logprob_mean_abs_diff=float(d.mean()), width=args.width, query_heads=H,
-                             query_rows=int(sel.shape[0]), card=card,
+                             query_rows=int(sel.shape[0]), card=card, backend=backend,
                              seconds=round(t_roll + time.perf_counter() - t1, 1)))
             print(rows[-1], flush=True)
         print(f"T={T}: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -166,9 +171,10 @@ def main() -> int:
         rows = merge_rows(json.loads(out.read_text()), rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"{'mode':16} {'width':5} {'T':>6} {'rows':>6} {'agree':>9} {'rows<0.8':>8} {'lp max':>10} {'lp mean':>10}")
+    print(f"{'card':12} {'backend':9} {'mode':16} {'width':5} {'T':>6} {'rows':>6} {'agree':>9} {'rows<0.8':>8} "
+          f"{'lp max':>10} {'lp mean':>10}")
     for r in rows:
-        print(f"{r['mode']:16} {r.get('width', 'tiny'):5} {r['T']:6d} {r.get('query_rows', r['T']):6d} "
+        print(f"{r['card'][-12:]:12} {r['backend']:9} {r['mode']:16} {r['width']:5} {r['T']:6d} {r['query_rows']:6d} "
               f"{r['topk_member_agreement']:9.6f} {r['rows_below_0_8']:8d} "
               f"{r['logprob_max_abs_diff']:10.3e} {r['logprob_mean_abs_diff']:10.3e}")
     return 0

@@ -32,22 +32,22 @@ def test_agreement_counts_members_of_the_rollout_set_and_ignores_order_and_empty
     assert bench.agreement(train, roll).tolist() == [1.0, 0.5, 1.0, 0.0]
 
 
-def _row(width, T, mode, tag):
-    r = dict(mode=mode, T=T, tag=tag)
-    if width is not None:
-        r["width"] = width
-    return r
+def _row(width, T, mode, tag, card="cpu", backend="reference"):
+    return dict(mode=mode, T=T, tag=tag, width=width, card=card, backend=backend)
 
 
-def test_merge_replaces_the_remeasured_width_and_length_and_keeps_the_rest():
-    old = [_row(None, 4096, "bf16", "old"), _row(None, 4096, "rollout_matched", "old"),
-           _row("full", 4096, "rollout_matched", "old"), _row("full", 4096, "bf16", "old")]
+def test_merge_replaces_the_remeasured_rows_and_keeps_other_widths_cards_and_backends():
+    h200 = dict(card="NVIDIA H200", backend="tilelang")
+    old = [_row("tiny", 4096, "bf16", "old"), _row("tiny", 4096, "rollout_matched", "old"),
+           _row("full", 4096, "rollout_matched", "old"), _row("full", 4096, "bf16", "old"),
+           _row("tiny", 4096, "bf16", "old", **h200)]
     new = [_row("tiny", 4096, "rollout_matched", "new"), _row("tiny", 4096, "bf16", "new"),
            _row("tiny", 16384, "bf16", "new")]
-    got = [(r.get("width"), r["T"], r["mode"], r["tag"]) for r in bench.merge_rows(old, new)]
-    assert got == [("tiny", 4096, "bf16", "new"), ("tiny", 4096, "rollout_matched", "new"),
-                   ("tiny", 16384, "bf16", "new"), ("full", 4096, "bf16", "old"),
-                   ("full", 4096, "rollout_matched", "old")]
+    got = [(r["card"], r["width"], r["T"], r["mode"], r["tag"]) for r in bench.merge_rows(old, new)]
+    assert got == [("NVIDIA H200", "tiny", 4096, "bf16", "old"),
+                   ("cpu", "tiny", 4096, "bf16", "new"), ("cpu", "tiny", 4096, "rollout_matched", "new"),
+                   ("cpu", "tiny", 16384, "bf16", "new"), ("cpu", "full", 4096, "bf16", "old"),
+                   ("cpu", "full", 4096, "rollout_matched", "old")]
 
 
 @pytest.fixture
