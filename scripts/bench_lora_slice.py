@@ -11,10 +11,12 @@ vocabulary are cut to the largest counts the dry run (``train.planner``) fits on
 names what it ran.
 
 Per length (``--seq-lens``): step time (median over the steps after the first), tokens/s, peak
-memory allocated over the whole run (``torch.cuda.max_memory_allocated``), the planner's peak for
-the same slice, and the memory allocated after each layer's forward (its kept activations), the
-model's forward time per layer (CUDA events, last step) and MFU from the model FLOPs of
-:func:`model_flops` over the card's dense bf16 peak.
+memory allocated over the whole run (``torch.cuda.max_memory_allocated``, and the reserved peak
+beside it, under the launchers' allocator settings ``alloc_conf`` of
+:func:`glm5_dsa_plugin.train.core.cuda_alloc_conf`), the planner's peak for the same slice, and the
+memory allocated after each layer's forward (its kept activations), the model's forward time per
+layer (CUDA events, last step) and MFU from the model FLOPs of :func:`model_flops` over the card's
+dense bf16 peak.
 
     python scripts/bench_lora_slice.py --out benchmarks/results     # on the GPU
     python scripts/bench_lora_slice.py --plan-only                  # re-plan the committed rows (CPU)
@@ -173,6 +175,7 @@ def run_slice(experts: int, vocab: int | None, recompute: str, seqs: list[int], 
         for h in hooks:
             h.remove()
         peak = torch.cuda.max_memory_allocated() if cuda else 1
+        reserved = torch.cuda.max_memory_reserved() if cuda else 0
         step_s = [seq / r["tokens_per_s"] for r in log]
         times = step_s[1:] or step_s
         step_ms = statistics.median(times) * 1e3
@@ -185,6 +188,7 @@ def run_slice(experts: int, vocab: int | None, recompute: str, seqs: list[int], 
         rows.append(dict(card=f"{base} (4 layers: 3 dense + 1 MoE)", layers=4, experts=experts,
                          vocab=vocab or card["vocab_size"], recompute=recompute, T=seq, steps=len(log), step_ms=round(step_ms, 1),
                          tokens_per_s=round(seq / step_ms * 1e3, 1), peak_gib=round(peak / GIB, 2),
+                         reserved_gib=round(reserved / GIB, 2),
                          planned_peak_gib=round(planned / GIB, 2),
                          planned_over_measured=round(planned / peak, 3), gpu=card_name, gpu_name=gpu,
                          mfu=round(flops / (step_ms / 1e3) / (PEAK_TFLOPS.get(card_name, 989.0) * 1e12), 4),
@@ -226,6 +230,9 @@ def main() -> int:
         return 0
     import torch
 
+    from glm5_dsa_plugin.train import core
+
+    alloc_conf = core.cuda_alloc_conf()  # the launchers' allocator settings, before CUDA starts
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB
     init_state("cuda")
     seqs = [int(s) for s in a.seq_lens.split(",")]
@@ -239,7 +246,7 @@ def main() -> int:
     for (e, v, r), ss in sorted(groups.items(), key=lambda kv: kv[1][0]):
         for attempt in range(3):  # out of memory: half the experts, at most twice
             try:
-                rows += run_slice(e, v, r, ss, a.steps, out=path + "l")
+                rows += [dict(row, alloc_conf=alloc_conf) for row in run_slice(e, v, r, ss, a.steps, out=path + "l")]
                 break
             except torch.OutOfMemoryError as err:
                 print(f"out of memory at experts={e} vocab={v} recompute={r}: {str(err)[:200]}", flush=True)

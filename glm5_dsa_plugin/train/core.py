@@ -25,10 +25,12 @@ import torch
 from ..checkpoints import cards
 from ..ops import guard_stats
 from .cli import LauncherInputError, check_inputs
+from .memory import CUDA_ALLOC_CONF
 
 __all__ = ["SPEC_DEFAULT", "SPEC_HELP", "base_parser", "parse_overrides", "load_card_from_args", "resolve_spec",
-           "init_parallel", "model_config", "build_model", "prepare", "attention_classes", "StepResult",
-           "synthetic_batch", "save_checkpoint", "load_checkpoint", "train", "lm_step", "apply_recipe", "run_dry"]
+           "cuda_alloc_conf", "init_parallel", "model_config", "build_model", "prepare", "attention_classes",
+           "StepResult", "synthetic_batch", "save_checkpoint", "load_checkpoint", "train", "lm_step", "apply_recipe",
+           "run_dry"]
 
 SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "get_glm5_dsa_spec"]
 SPEC_HELP = ("layer-spec provider, called with (args, config, vp_stage) as slime/miles do "
@@ -121,12 +123,23 @@ def resolve_spec(args) -> Callable:
 
 
 # --------------------------------------------------------------------------- runtime
+def cuda_alloc_conf() -> str:
+    """The CUDA caching allocator's settings of a launcher run, set before CUDA starts:
+    ``PYTORCH_CUDA_ALLOC_CONF`` as the user set it, else expandable segments. Without them a large
+    late allocation (the loss's fp32 logits at 64K) can fail with enough memory free in total but
+    split across segments that still hold a live block; the dry run's verdict assumes them."""
+    return os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+
+
 def init_parallel(args) -> None:
-    """Single-process megatron-core parallel state (gloo on CPU, nccl on CUDA)."""
+    """Single-process megatron-core parallel state (gloo on CPU, nccl on CUDA; on CUDA the
+    allocator settings of :func:`cuda_alloc_conf`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    if args.device == "cuda":
+        cuda_alloc_conf()
     if args.device == "cpu" and not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"  # megatron-core RotaryEmbedding asks CUDA for a device
     if not dist.is_initialized():

@@ -33,12 +33,16 @@ from dataclasses import dataclass, field
 from ..checkpoints.cards import index_sharing
 from .attention_memory import attention_activation_parts, attention_transient_parts
 
-__all__ = ["GIB", "RECOMPUTE", "OPTIMIZERS", "Training", "StageMemory", "lora_modules", "lora_params_per_layer",
-           "layer_kept_parts", "stage_kept_parts", "layer_transient_bytes", "logits_bytes", "optimizer_bytes"]
+__all__ = ["GIB", "RECOMPUTE", "OPTIMIZERS", "CUDA_ALLOC_CONF", "Training", "StageMemory", "lora_modules",
+           "lora_params_per_layer", "layer_kept_parts", "stage_kept_parts", "layer_transient_bytes", "logits_bytes",
+           "optimizer_bytes"]
 
 GIB = 1024**3
 RECOMPUTE = ("none", "selective", "full")
 OPTIMIZERS = ("megatron", "launcher")
+# The CUDA caching allocator these counts assume (the launchers' default PYTORCH_CUDA_ALLOC_CONF):
+# with fixed segments a peak that fits can still fail at a large late allocation.
+CUDA_ALLOC_CONF = "expandable_segments:True"
 
 
 @dataclass(frozen=True)

@@ -399,7 +399,8 @@ def print_verdict(card, lay: Layout, peak: int, seq: int, mb: int, training: mem
     for cap in dict.fromkeys((gpu_memory_gib, 141.0)):
         verdict = "fits" if fits(peak, cap) else "does NOT fit"
         print(f"verdict on {cap:g} GiB cards: {verdict} (largest stage {peak / GIB:.1f} GiB allocated, "
-              f"{need:.1f} GiB with {FRAGMENTATION:.0%} allocator slack and {RESERVED_GIB:g} GiB reserved)")
+              f"{need:.1f} GiB with {FRAGMENTATION:.0%} allocator slack and {RESERVED_GIB:g} GiB reserved; "
+              f"assumes PYTORCH_CUDA_ALLOC_CONF={memory.CUDA_ALLOC_CONF}, the launchers' default)")
     if not fits(peak, gpu_memory_gib):
         near = nearest_fit(card, lay, seq, mb, training, gpu_memory_gib, dp, micro_batches, cp_layout, kinds)
         if near is None:

@@ -179,3 +179,14 @@ def test_dry_run_attention_memory_counts_what_the_backend_keeps():
         assert attention_activation_bytes(card, tp, 1, seq, False) == sum(reusing.values())
     odd = cards.with_overrides(card, index_topk=100)
     assert attention_activation_parts(odd, 1, 1, seq, False)["indices"] == seq * 128 * 4
+
+
+def test_cuda_alloc_conf_defaults_to_expandable_segments_and_keeps_the_users(monkeypatch):
+    """The launchers run with expandable segments (what the dry run's verdict assumes) unless the user
+    set PYTORCH_CUDA_ALLOC_CONF, which is kept as given."""
+    import os
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert core.cuda_alloc_conf() == "expandable_segments:True" == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert core.cuda_alloc_conf() == "max_split_size_mb:512" == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
