@@ -187,7 +187,9 @@ class GLM5DSAttention(MegatronModule):
                 f"DSA layer {self.layer_number}: a recomputed forward finds indexer replay {token or 'none'} on the "
                 f"model's config, but this micro batch's forward used replay {seen or 'none'} (another micro batch's "
                 f"was attached since). Attach each micro batch's replay to its own PackedSeqParams or attention "
-                f"mask, or recompute no DSA layer.")
+                f"mask, or recompute no DSA layer. (A forward under torch.no_grad() in training mode that is "
+                f"never recomputed, such as log-probs computed without model.eval(), is taken for a recompute's "
+                f"first pass and also leads here: run such passes in eval mode.)")
 
     @staticmethod
     def _to_packed(t: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,12 @@ class RecomputeCheck:
     backward) it queues ``token`` when the forward will be recomputed (``training`` and grad
     disabled) and returns ``(False, None)``; in a recompute it returns ``(True, seen)``, ``seen``
     the oldest queued token (micro batches are recomputed in the order their forwards ran, per
-    layer) or ``None`` when none was queued. The caller compares ``seen`` with ``token``."""
+    layer) or ``None`` when none was queued. The caller compares ``seen`` with ``token``.
+
+    A forward under ``torch.no_grad()`` in training mode that is never recomputed (log-probs
+    computed without ``model.eval()``) cannot be told from a reentrant checkpoint's first pass: it
+    queues a token no recompute takes, and later pairings are off by one. Such passes belong in
+    eval mode."""
 
     def __init__(self):
         self._queued: deque[Hashable] = deque()

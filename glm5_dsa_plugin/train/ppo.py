@@ -117,12 +117,18 @@ def _dsa_geometry(model) -> dict:
 
 def record_indexer_topk(model, roll: dict, device) -> dict:
     """``roll`` plus ``indexer_topk``: per sample the int32 ``[n_tokens - 1, n_computing_layers,
-    topk]`` top-k of one no-grad forward (the format SGLang returns in ``meta_info``)."""
+    topk]`` top-k of one no-grad forward in eval mode (the format SGLang returns in ``meta_info``);
+    the model's training mode is restored."""
     from ..model import indexer_replay as ir
 
     rec = ir.IndexerTopkRecorder()
-    with torch.no_grad():
-        token_logprobs(model, roll, device, recorder=rec)
+    training = model.training
+    model.eval()  # the rollout's side: no dropout, and no forward taken for a recompute's first pass
+    try:
+        with torch.no_grad():
+            token_logprobs(model, roll, device, recorder=rec)
+    finally:
+        model.train(training)
     lens = roll["seq_lens"].to(torch.int64)
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
     return {**roll, "indexer_topk": rec.records(cu, roll["cu_seqlens_padded"])}

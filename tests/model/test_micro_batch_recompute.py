@@ -116,10 +116,12 @@ def test_recompute_on_the_shared_config_is_exact_where_it_can_be(megatron_single
         _assert_same(got[m], want[m])
 
 
-def _replays(model, cfg, toks):
-    """Each micro batch's top-k as a rollout would record it, packed for replay (every layer computes)."""
+def _replays(model, cfg, toks, mode="eval"):
+    """Each micro batch's top-k as a rollout would record it (a no-grad forward in ``mode``), packed
+    for replay (every layer computes)."""
     out = []
     cu = torch.tensor([0, S])
+    model.train(mode == "train")
     for t in toks:
         rec = rp.IndexerTopkRecorder()
         rp.attach_indexer_topk_recorder(cfg, rec)
@@ -127,6 +129,7 @@ def _replays(model, cfg, toks):
             model(t, torch.arange(S)[None], None)
         rp.attach_indexer_topk_recorder(cfg, None)
         out.append(rp.pack_indexer_topk(rec.records(cu), cu, num_layers=cfg.num_layers, topk=cfg.dsa_indexer_topk))
+    model.train()
     return out
 
 
@@ -156,3 +159,32 @@ def test_replay_attached_to_each_micro_batchs_mask_is_exact_under_1f1b(megatron_
     got = _run(recomputed, toks, ONE_F_ONE_B, masks=masks)
     for m in (0, 1):
         _assert_same(got[m], want[m])
+
+
+def test_replay_on_the_shared_config_recomputed_in_order_is_exact_after_an_eval_mode_record(
+        megatron_single_process, reentrant_checkpoint):
+    """A no-grad pass in eval mode between training steps (log-probs, a rollout record: what the PPO
+    launcher's recorder runs) is no forward to be recomputed, so it leaves the pairing alone: a replay
+    on the config, each micro batch's forward and backward in turn, gives the gradients of the same
+    replay without recompute."""
+    card, cfg, plain = _model()
+    toks = _tokens(card)
+    replays = _replays(plain, cfg, toks[::-1])
+    want = _run(plain, toks, IN_ORDER, before_forward=lambda m: rp.attach_indexer_replay(cfg, replays[m]))
+    _, cfg2, recomputed = _model(recompute_layers=1)
+    _replays(recomputed, cfg2, toks)  # the record pass on the model that recomputes
+    got = _run(recomputed, toks, IN_ORDER, before_forward=lambda m: rp.attach_indexer_replay(cfg2, replays[m]))
+    for m in (0, 1):
+        _assert_same(got[m], want[m])
+
+
+def test_a_training_mode_no_grad_pass_is_named_when_it_breaks_the_pairing(megatron_single_process,
+                                                                         reentrant_checkpoint):
+    """The same no-grad pass in training mode looks like the first pass of a recompute (grad off,
+    training) and leaves entries no recompute takes; the refusal that follows names that cause and
+    model.eval() as its remedy."""
+    card, cfg, model = _model(recompute_layers=1)
+    toks = _tokens(card)
+    replays = _replays(model, cfg, toks, mode="train")
+    with pytest.raises(StaleMicroBatchStateError, match=r"torch\.no_grad\(\) in training mode.*model\.eval\(\)"):
+        _run(model, toks, IN_ORDER, before_forward=lambda m: rp.attach_indexer_replay(cfg, replays[m]))

@@ -84,3 +84,18 @@ def test_replay_needs_a_recorded_batch(capsys, megatron_single_process):
     assert rc == 2 and len(lines) == 1 and "--record-indexer-topk" in lines[0], lines
     rc = cli.launch(ppo.main, COMMON + ["--indexer-topk-overlap", "--steps", "1"], prog="train_ppo.py")
     assert rc == 2
+
+
+def test_the_record_runs_in_eval_mode_and_restores_the_models_mode(megatron_single_process):
+    """The recorder is the rollout's side: its forward runs in eval mode (as an engine has no dropout,
+    and a no-grad forward in training mode would be taken for a recompute's first pass), and the
+    model comes back in the mode it was handed in."""
+    model = _model()
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a: seen.append(m.training))
+    for mode in (True, False):
+        model.train(mode)
+        ppo.record_indexer_topk(model, torch.load(FIXTURE), "cpu")
+        assert model.training is mode
+    hook.remove()
+    assert seen and not any(seen)
