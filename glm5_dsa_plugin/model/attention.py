@@ -178,16 +178,17 @@ class GLM5DSAttention(MegatronModule):
         return micro_batch.carrier(packed_seq_params, attention_mask, self.config)
 
     def _check_replay(self, replay, shared_carrier: bool) -> None:
-        """A recomputed forward on a carrier shared by micro batches must find the replay its forward
-        used (a client attaches each micro batch's replay to the config before its forward)."""
+        """A recomputed forward on a carrier shared by micro batches (the config, or a mask / packed
+        parameters that held another micro batch's replay) must find the replay its forward used."""
         token = replay.serial if replay is not None else 0
         recomputing, seen = self._replay_check.read(token, self.training)
         if recomputing and shared_carrier and seen != token:
             raise StaleMicroBatchStateError(
-                f"DSA layer {self.layer_number}: a recomputed forward finds indexer replay {token or 'none'} on the "
-                f"model's config, but this micro batch's forward used replay {seen or 'none'} (another micro batch's "
-                f"was attached since). Attach each micro batch's replay to its own PackedSeqParams or attention "
-                f"mask, or recompute no DSA layer. (A forward under torch.no_grad() in training mode that is "
+                f"DSA layer {self.layer_number}: a recomputed forward finds indexer replay {token or 'none'} on a "
+                f"carrier shared by micro batches (the model's config, or a mask / PackedSeqParams reused), but this "
+                f"micro batch's forward used replay {seen or 'none'} (another micro batch's was attached since). "
+                f"Attach each micro batch's replay to its own PackedSeqParams or attention mask, or recompute no "
+                f"DSA layer. (A forward under torch.no_grad() in training mode that is "
                 f"never recomputed, such as log-probs computed without model.eval(), is taken for a recompute's "
                 f"first pass and also leads here: run such passes in eval mode.)")
 
@@ -278,7 +279,7 @@ class GLM5DSAttention(MegatronModule):
         index_logits = None
         if self.indexer is not None:
             replay = None if self.is_mtp else replay_mod.indexer_replay_of(carrier)
-            self._check_replay(replay, carrier is self.config)
+            self._check_replay(replay, carrier is self.config or replay_mod.carries_several_replays(carrier))
             recorder = None if self.is_mtp else getattr(carrier, replay_mod.RECORDER_ATTR, None)
             replayed = self._replayed(replay, vis, q.shape[0], q.device) if replay is not None else None
             coeff = self.config.dsa_indexer_loss_coeff or 0.0

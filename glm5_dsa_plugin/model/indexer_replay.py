@@ -38,11 +38,12 @@ from . import micro_batch
 from .indexer import computes_indices
 
 __all__ = ["IndexerReplay", "IndexerReplayError", "IndexerTopkRecorder", "attach_indexer_replay",
-           "attach_indexer_topk_recorder", "computing_layers", "decode_indexer_topk", "encode_indexer_topk",
-           "indexer_replay_of", "indexer_topk_overlap", "pack_indexer_topk", "topk_overlap"]
+           "attach_indexer_topk_recorder", "carries_several_replays", "computing_layers", "decode_indexer_topk",
+           "encode_indexer_topk", "indexer_replay_of", "indexer_topk_overlap", "pack_indexer_topk", "topk_overlap"]
 
 REPLAY_ATTR = "_glm5_dsa_indexer_replay"
 RECORDER_ATTR = "_glm5_dsa_indexer_topk_recorder"
+_REPLACED_ATTR = "_glm5_dsa_indexer_replay_replaced"  # True once a carrier's replay gave way to another
 _SERIALS = itertools.count(1)  # IndexerReplay.serial: unique per object, never reused (unlike id())
 OVERLAP_THRESHOLD = 0.8  # a row whose shared fraction is below this counts as mismatched (miles' CI bound)
 
@@ -247,9 +248,19 @@ def pack_indexer_topk(records: Iterable, cu_seqlens: torch.Tensor, *, num_layers
 def attach_indexer_replay(carrier, replay: Optional[IndexerReplay]) -> None:
     """Hand ``replay`` to the model for one micro-batch: ``carrier`` is that micro-batch's
     ``PackedSeqParams`` (THD), else its attention mask, else the model's ``TransformerConfig``
-    (bshd without a mask: attach before each micro-batch; a recomputed forward that finds another
-    micro batch's replay there raises). None detaches."""
-    setattr(micro_batch.as_carrier(carrier), REPLAY_ATTR, replay)
+    (bshd without a mask: attach before each micro-batch). A carrier that holds the replays of more
+    than one micro batch in turn (the config, a mask reused by every micro batch) is checked: a
+    recomputed forward that finds another micro batch's replay there raises. None detaches."""
+    obj = micro_batch.as_carrier(carrier)
+    held = getattr(obj, REPLAY_ATTR, None)
+    if replay is not None and held is not None and held.serial != replay.serial:
+        setattr(obj, _REPLACED_ATTR, True)
+    setattr(obj, REPLAY_ATTR, replay)
+
+
+def carries_several_replays(carrier) -> bool:
+    """Whether one replay on ``carrier`` was replaced by another (the carrier is shared by micro batches)."""
+    return getattr(micro_batch.as_carrier(carrier), _REPLACED_ATTR, False)
 
 
 def indexer_replay_of(carrier) -> Optional[IndexerReplay]:

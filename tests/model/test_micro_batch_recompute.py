@@ -138,8 +138,8 @@ def test_replay_on_the_shared_config_is_refused_when_another_was_attached_betwee
     card, cfg, model = _model(recompute_layers=1)
     toks = _tokens(card)
     replays = _replays(model, cfg, toks)
-    with pytest.raises(StaleMicroBatchStateError, match=r"recomputed forward finds indexer replay \d+ on the "
-                                                        r"model's config, but this micro batch's forward used"):
+    with pytest.raises(StaleMicroBatchStateError, match=r"recomputed forward finds indexer replay \d+ on a carrier "
+                                                        r"shared by micro batches.*this micro batch's forward used"):
         _run(model, toks, ONE_F_ONE_B, before_forward=lambda m: rp.attach_indexer_replay(cfg, replays[m]))
 
 
@@ -188,3 +188,18 @@ def test_a_training_mode_no_grad_pass_is_named_when_it_breaks_the_pairing(megatr
     replays = _replays(model, cfg, toks, mode="train")
     with pytest.raises(StaleMicroBatchStateError, match=r"torch\.no_grad\(\) in training mode.*model\.eval\(\)"):
         _run(model, toks, IN_ORDER, before_forward=lambda m: rp.attach_indexer_replay(cfg, replays[m]))
+
+
+def test_replay_on_a_mask_reused_by_every_micro_batch_is_refused_when_another_was_attached_between(
+        megatron_single_process, reentrant_checkpoint):
+    """One mask tensor for every micro batch is a shared carrier like the config: micro batch 1's replay
+    replaces micro batch 0's on it before micro batch 0's recompute, which would attend to the other
+    record's keys (silently wrong gradients); it raises instead."""
+    card, cfg, model = _model(recompute_layers=1)
+    toks = _tokens(card)
+    replays = _replays(model, cfg, toks[::-1])
+    mask = _mask()
+    with pytest.raises(StaleMicroBatchStateError, match=r"recomputed forward finds indexer replay \d+ on a carrier "
+                                                        r"shared by micro batches"):
+        _run(model, toks, ONE_F_ONE_B, masks=[mask, mask],
+             before_forward=lambda m: rp.attach_indexer_replay(mask, replays[m]))
