@@ -29,7 +29,7 @@ from .memory import CUDA_ALLOC_CONF
 
 __all__ = ["SPEC_DEFAULT", "SPEC_HELP", "base_parser", "parse_overrides", "load_card_from_args", "resolve_spec",
            "cuda_alloc_conf", "init_parallel", "model_config", "build_model", "prepare", "attention_classes",
-           "StepResult", "synthetic_batch", "save_checkpoint", "load_checkpoint", "train", "lm_step", "apply_recipe",
+           "StepResult", "flops_shape", "synthetic_batch", "save_checkpoint", "load_checkpoint", "train", "lm_step", "apply_recipe",
            "run_dry"]
 
 SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "get_glm5_dsa_spec"]
@@ -290,7 +290,7 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
     # the first step pays one-time costs (torch.compile of megatron-core's fused functions, lazy imports)
     bar = tqdm(range(start, start + args.steps), desc=f"{label} (first step: warm-up)", dynamic_ncols=True)
     logf = open(args.log_json, "a" if getattr(args, "log_json_append", False) else "w") if args.log_json else None
-    shape = _flops_shape(model, card) if args.device == "cuda" else None
+    shape = flops_shape(model, card) if args.device == "cuda" else None
     for step in bar:
         if step == start + 1:
             bar.set_description(label, refresh=False)
@@ -325,11 +325,13 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
     return log
 
 
-def _flops_shape(model, card: dict):
-    """The model's DSA widths for its model FLOPs (:mod:`glm5_dsa_plugin.model.flops`)."""
+def flops_shape(model, card: dict):
+    """The model's DSA widths for its model FLOPs (:mod:`glm5_dsa_plugin.model.flops`): the card the
+    model was built from, with the model's own MTP depth (a job may build it without MTP). Not read
+    from the config: a HybridModel's ``num_layers`` counts its MLP layers too."""
     from ..model.flops import DSAShape
 
-    return DSAShape.from_config(model.config, vocab_size=card["vocab_size"])
+    return DSAShape.from_card({**card, "num_nextn_predict_layers": model.config.mtp_num_layers or 0})
 
 
 def _step_mfu(args, model, shape, res: StepResult, seconds: float) -> float | None:

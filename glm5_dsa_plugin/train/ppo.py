@@ -109,10 +109,15 @@ def ppo_loss(logp, roll: dict, clip: float = 0.2, kl_coef: float = 0.0) -> torch
 
 
 def _dsa_geometry(model) -> dict:
+    """The replay's view of the model: its DSA decoder layers (GPTModel: every layer; HybridModel:
+    the pattern's ``D`` layers, not ``config.num_layers``, which counts the MLP layers too), top-k
+    and index-sharing schedule."""
+    from ..model.attention import GLM5DSAttention
     from ..model.dsa_fields import dsa_geometry
 
     g = dsa_geometry(model.config)
-    return dict(num_layers=model.config.num_layers, topk=g.topk, topk_freq=g.topk_freq, skip_offset=g.skip_offset)
+    layers = sum(1 for m in model.modules() if isinstance(m, GLM5DSAttention) and not m.is_mtp)
+    return dict(num_layers=layers, topk=g.topk, topk_freq=g.topk_freq, skip_offset=g.skip_offset)
 
 
 def record_indexer_topk(model, roll: dict, device) -> dict:

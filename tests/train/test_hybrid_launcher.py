@@ -37,6 +37,44 @@ def test_hybrid_job_matches_gpt_job_on_the_same_checkpoint(job, tmp_path, megatr
     assert hybrid == pytest.approx(gpt, rel=1e-5, abs=1e-6)
 
 
+def test_hybrid_ppo_replays_its_own_record_like_gpt(tmp_path, megatron_single_process):
+    """PPO with indexer replay on HybridModel, whose config counts MLP layers as layers too: the
+    record holds its DSA layers, the replay finds them (overlap 1 on the first step), and the losses
+    follow GPTModel's on the same checkpoint."""
+    from glm5_dsa_plugin.train import ppo
+
+    _tiny_checkpoint(tmp_path / "hf")
+    common = ["--hf", str(tmp_path / "hf"), "--backend", "reference", "--device", "cpu", "--seq-len", "24",
+              "--batch-size", "2", "--steps", "2"]
+    logs = {}
+    for model in ("gpt", "hybrid"):
+        rec = str(tmp_path / f"roll_{model}.pt")
+        assert ppo.main(common + ["--model", model, "--record-indexer-topk", rec]) == 0
+        log = tmp_path / f"{model}.jsonl"
+        assert ppo.main(common + ["--model", model, "--rollouts", rec, "--indexer-replay", "--indexer-topk-overlap",
+                                  "--log-json", str(log)]) == 0
+        logs[model] = [json.loads(line) for line in open(log)]
+    assert logs["hybrid"][0]["indexer_topk_overlap"] == 1.0
+    assert [r["loss"] for r in logs["hybrid"]] == pytest.approx([r["loss"] for r in logs["gpt"]], rel=1e-5, abs=1e-6)
+
+
+def test_model_flops_shape_is_the_cards_for_either_model_class(megatron_single_process):
+    """MFU counts the same model for GPTModel and HybridModel (whose config has twice the layers, the
+    MLP ones included, and no moe_layer_freq of GPT's form): 2 dense then 2 MoE layers of the tiny
+    card, no MTP when the job builds none."""
+    from glm5_dsa_plugin.model.flops import DSAShape
+    from glm5_dsa_plugin.train import core
+
+    card = cards.load_card("tiny")
+    want = DSAShape.from_card({**card, "num_nextn_predict_layers": 0})
+    for model_class in ("gpt", "hybrid"):
+        args = core.base_parser("t").parse_args(["--card", "tiny", "--device", "cpu", "--model", model_class,
+                                                 "--backend", "reference"])
+        _, model = core.prepare(args, mtp_num_layers=None)
+        got = core.flops_shape(model, card)
+        assert got == want and (got.num_hidden_layers, got.first_k_dense_replace) == (4, 2), model_class
+
+
 def test_dry_run_pattern_follows_the_recipe_stages():
     from glm5_dsa_plugin.checkpoints.hybrid_pattern import glm5_hybrid_layer_pattern, split_pattern
     from glm5_dsa_plugin.train import core
