@@ -29,8 +29,8 @@ from .memory import CUDA_ALLOC_CONF
 
 __all__ = ["SPEC_DEFAULT", "SPEC_HELP", "base_parser", "parse_overrides", "load_card_from_args", "resolve_spec",
            "cuda_alloc_conf", "init_parallel", "model_config", "build_model", "prepare", "attention_classes",
-           "StepResult", "flops_shape", "synthetic_batch", "save_checkpoint", "load_checkpoint", "train", "lm_step", "apply_recipe",
-           "run_dry"]
+           "StepResult", "flops_shape", "synthetic_batch", "save_checkpoint", "load_checkpoint", "train", "lm_step",
+           "apply_recipe", "run_dry"]
 
 SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "get_glm5_dsa_spec"]
 SPEC_HELP = ("layer-spec provider, called with (args, config, vp_stage) as slime/miles do "
@@ -160,6 +160,8 @@ def init_parallel(args) -> None:
 
 
 def model_config(args, card: dict, **extra):
+    """The job's megatron-core config from ``card``, ``extra`` overriding; with ``--model hybrid``
+    the HybridModel fields and pattern too (:func:`glm5_dsa_plugin.train.hybrid_model.hybrid_config_fields`)."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
     te = False
     if args.device == "cuda":
@@ -167,7 +169,15 @@ def model_config(args, card: dict, **extra):
     kw = dict(moe_token_dispatcher_type="allgather", params_dtype=dtype, bf16=dtype == torch.bfloat16,
               transformer_impl="transformer_engine" if te else "local", use_cpu_initialization=True)
     kw.update(extra)
+    pattern = None
+    if getattr(args, "model", "gpt") == "hybrid":
+        from .hybrid_model import hybrid_config_fields
+
+        pattern, fields = hybrid_config_fields(card, extra)
+        kw.update(fields)
     config = cards.card_to_transformer_config(card, **kw)
+    if pattern is not None:
+        config.hybrid_layer_pattern = pattern
     # rollout-matched numerics (glm5_dsa_plugin.model.rollout_numerics): attributes, not dataclass fields
     config.dsa_indexer_precision = getattr(args, "dsa_indexer_precision", None)
     config.dsa_kv_fp8_qat = getattr(args, "dsa_kv_fp8_qat", None)
@@ -214,15 +224,7 @@ def prepare(args, mtp: bool = False, **config_extra):
     check_inputs(args)
     init_parallel(args)
     card = load_card_from_args(args)
-    if getattr(args, "model", "gpt") == "hybrid":
-        from .hybrid_model import hybrid_config_fields
-
-        pattern, fields = hybrid_config_fields(card, config_extra)
-        config = model_config(args, card, **{**config_extra, **fields})
-        config.hybrid_layer_pattern = pattern
-    else:
-        config = model_config(args, card, **config_extra)
-    return card, build_model(args, card, config, mtp=mtp)
+    return card, build_model(args, card, model_config(args, card, **config_extra), mtp=mtp)
 
 
 def attention_classes(model) -> set[type]:
