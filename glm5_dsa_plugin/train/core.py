@@ -262,17 +262,35 @@ def synthetic_batch(args, card: dict, step: int):
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+MODEL_CLASSES = {"GPTModel": "gpt", "HybridModel": "hybrid"}  # model class -> its --model
+
+
 def save_checkpoint(path, model, optimizer, step: int, extra: dict | None = None) -> None:
+    """``PATH/checkpoint.pt``: model and optimizer state, step, RNG states and the model class."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "extra": extra or {}},
-               p / "checkpoint.pt")
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "extra": extra or {},
+                "model_class": type(model).__name__}, p / "checkpoint.pt")
 
 
 def load_checkpoint(path, model, optimizer) -> int:
+    """Resume from :func:`save_checkpoint`'s file -> its step. Every tensor of the model must be
+    there (TransformerEngine's ``_extra_state`` aside) and nothing else: a checkpoint of the other
+    model class (``--model``) or of another card is refused, naming what differs."""
     ck = torch.load(Path(path) / "checkpoint.pt", map_location="cpu", weights_only=False)
-    model.load_state_dict(ck["model"], strict=False)
+    # names as state_dict() writes them (LoRA wrappers save under the base names), so compared as saved
+    want = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    have = {k for k in ck["model"] if not k.endswith("_extra_state")}
+    missing, unexpected = sorted(want - have), sorted(have - want)
+    if missing or unexpected:
+        saved = ck.get("model_class")
+        hint = (f"; it was saved from a {saved}: pass --model {MODEL_CLASSES.get(saved, '?')}"
+                if saved and saved != type(model).__name__ else "")
+        raise LauncherInputError(f"--load {path}: the checkpoint does not fit this {type(model).__name__} "
+                                 f"({len(missing)} tensors missing, e.g. {missing[:2]}; {len(unexpected)} unexpected, "
+                                 f"e.g. {unexpected[:2]}){hint}")
+    model.load_state_dict(ck["model"], strict=False)  # strict would also ask for TE's _extra_state
     optimizer.load_state_dict(ck["optimizer"])
     torch.set_rng_state(ck["rng"]["torch"])
     random.setstate(ck["rng"]["python"])

@@ -10,6 +10,7 @@ import torch
 from glm5_dsa_plugin.checkpoints import cards
 from glm5_dsa_plugin.checkpoints import hf_megatron as conversion
 from glm5_dsa_plugin.train import lora, mtp
+from glm5_dsa_plugin.train.cli import LauncherInputError
 from megatron_cpu import megatron_single_process  # noqa: F401
 from tiny_models import tiny_hf, with_mtp
 
@@ -90,3 +91,16 @@ def test_dry_run_pattern_follows_the_recipe_stages():
     assert "refused" in describe_pattern(args, card) and "DSA layer 40" in describe_pattern(args, card)
     segments, _ = split_pattern(glm5_hybrid_layer_pattern(card, stage_layers=pipeline_stage_layers(card, 8, 14, 16)))
     assert [len(s) for s in segments] == [28] + [16] * 6 + [32]
+
+
+def test_resuming_a_checkpoint_of_the_other_model_class_is_refused(tmp_path, megatron_single_process):
+    """A launcher checkpoint of GPTModel resumed into HybridModel (their tensor names differ) used to load
+    nothing and train on from fresh weights; it is refused, naming the --model it was saved with. The
+    same class resumes."""
+    common = ["--card", "tiny", "--backend", "reference", "--device", "cpu", "--seq-len", "16", "--batch-size", "1",
+              "--steps", "1"]
+    assert lora.main(common + ["--model", "gpt", "--save", str(tmp_path / "ck")]) == 0
+    assert lora.main(common + ["--model", "gpt", "--load", str(tmp_path / "ck")]) == 0
+    with pytest.raises(LauncherInputError,
+                       match=r"does not fit this HybridModel .*saved from a GPTModel: pass --model gpt"):
+        lora.main(common + ["--model", "hybrid", "--load", str(tmp_path / "ck")])
