@@ -188,9 +188,7 @@ class GLM5DSAttention(MegatronModule):
                 f"carrier shared by micro batches (the model's config, or a mask / PackedSeqParams reused), but this "
                 f"micro batch's forward used replay {seen or 'none'} (another micro batch's was attached since). "
                 f"Attach each micro batch's replay to its own PackedSeqParams or attention mask, or recompute no "
-                f"DSA layer. (A forward under torch.no_grad() in training mode that is never recomputed, such as "
-                f"log-probs computed without model.eval(), is taken for a recompute's first pass and also leads "
-                f"here: run such passes in eval mode.)")
+                f"DSA layer. {micro_batch.NO_GRAD_TRAINING_HINT}")
 
     @staticmethod
     def _to_packed(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .micro_batch import RecomputeCheck, graph_task, state
+from .micro_batch import NO_GRAD_TRAINING_HINT, RecomputeCheck, graph_task, state
 
 __all__ = ["HOLDER_ATTR", "SharedTopk", "StaleMicroBatchStateError"]
 
@@ -65,7 +65,5 @@ class SharedTopk:
                 f"batch's forward read write {seen}): the micro batches share one carrier (no packed sequences, no "
                 f"attention mask of their own), so one top-k is kept for all. Pass packed sequences (THD) or an "
                 f"attention mask per micro batch, recompute layers {self.source}..{self.layer} in one chunk, or "
-                f"recompute no DSA layer. (A forward under torch.no_grad() in training mode that is never "
-                f"recomputed, such as log-probs computed without model.eval(), is taken for a recompute's first "
-                f"pass and also leads here: run such passes in eval mode.)")
+                f"recompute no DSA layer. {NO_GRAD_TRAINING_HINT}")
         return indices
