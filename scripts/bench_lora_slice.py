@@ -3,7 +3,8 @@
 dry run's plan of the same slice and layout.
 
 The slice is the ``glm5.2`` card cut to 4 layers (3 dense + 1 MoE, the card's ``first_k_dense_replace``),
-every width as the card has it, no MTP layer, bf16, TP = PP = EP = CP = 1, one sequence per step.
+every width as the card has it, no MTP layer, bf16, TP = PP = EP = CP = 1, one sequence per step,
+built as a GPTModel (``--model gpt``: each per-layer figure is one attention + MLP / MoE layer).
 It is trained by the LoRA job's pieces (``train.core.prepare``, ``train.lora.apply_lora`` with
 Megatron-Bridge PEFT, ``train.core.train``); the batch is made once per length so the step time is
 the model's. Routed experts and, when even the fewest experts leave no room for the logits, the
@@ -117,7 +118,7 @@ def run_slice(experts: int, vocab: int | None, recompute: str, seqs: list[int], 
 
     cuda = device == "cuda"
     mem_now = torch.cuda.memory_allocated if cuda else (lambda: 0)
-    argv = ["--card", base, "--card-override", "num_hidden_layers=4", "--card-override",
+    argv = ["--model", "gpt", "--card", base, "--card-override", "num_hidden_layers=4", "--card-override",
             f"n_routed_experts={experts}", "--card-override", "num_nextn_predict_layers=0", "--backend", backend,
             "--device", device, "--dtype", "bf16" if cuda else "fp32", "--seq-len", str(max(seqs)), "--batch-size", "1",
             "--steps", str(steps), "--lr", "1e-4"]

@@ -67,7 +67,7 @@ class _DropMessage(logging.Filter):
 # (logger name, message regex, replacement) of notices that apply, said once in a line
 LOG_SUMMARIES = [
     ("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED",
-     "megatron-core deprecates GPTModel (the launchers' default, --model gpt); --model hybrid builds HybridModel"),
+     "megatron-core deprecates GPTModel (--model gpt); the launchers' default, --model hybrid, builds HybridModel"),
 ]
 
 

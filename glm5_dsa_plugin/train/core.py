@@ -33,17 +33,21 @@ __all__ = ["SPEC_DEFAULT", "SPEC_HELP", "base_parser", "parse_overrides", "load_
            "apply_recipe", "run_dry"]
 
 SPEC_DEFAULT = ["glm5_dsa_plugin.spec", "get_glm5_dsa_spec"]
-SPEC_HELP = ("layer-spec provider, called with (args, config, vp_stage) as slime/miles do "
-             "(default: --spec glm5_dsa_plugin.spec get_glm5_dsa_spec)")
+SPEC_HELP = ("--model gpt: the layer-spec provider, called with (args, config, vp_stage) as slime/miles do "
+             "(default: --spec glm5_dsa_plugin.spec get_glm5_dsa_spec); --model hybrid: the stack ModuleSpec "
+             "(default: glm5_dsa_plugin.spec glm5_dsa_hybrid_stack_spec)")
 
 
 def base_parser(description: str, job: str | None = None) -> argparse.ArgumentParser:
     """The launchers' shared flags; ``job`` labels the progress bar (LoRA / PPO / MTP)."""
-    ap = argparse.ArgumentParser(description=description + f"\n\nModel built through: --spec {' '.join(SPEC_DEFAULT)}",
+    built = ("\n\nModel built through: --model hybrid --spec glm5_dsa_plugin.spec glm5_dsa_hybrid_stack_spec "
+             f"(default), or --model gpt --spec {' '.join(SPEC_DEFAULT)}")
+    ap = argparse.ArgumentParser(description=description + built,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", nargs=2, default=SPEC_DEFAULT, metavar=("MODULE", "FUNCTION"), help=SPEC_HELP)
-    ap.add_argument("--model", default="gpt", choices=["gpt", "hybrid"],
-                    help="megatron-core model class: gpt (GPTModel) or hybrid (HybridModel, pattern from the card)")
+    ap.add_argument("--model", default="hybrid", choices=["gpt", "hybrid"],
+                    help="megatron-core model class: hybrid (HybridModel, pattern from the card) or gpt (GPTModel, "
+                         "deprecated by megatron-core)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--card", default="tiny", help="model card: glm5, glm5.1, glm5.2, tiny, or a card .json path "
                                                      f"(file stems work too: {', '.join(cards.available_cards())})")
@@ -187,8 +191,8 @@ def model_config(args, card: dict, **extra):
 
 
 def build_model(args, card: dict, config, mtp: bool = False):
-    """GPTModel built through the ``--spec`` provider (and its MTP block when ``mtp``); with
-    ``--model hybrid`` a HybridModel (:mod:`glm5_dsa_plugin.train.hybrid_model`)."""
+    """The HybridModel of ``--model hybrid`` (the default; :mod:`glm5_dsa_plugin.train.hybrid_model`),
+    or with ``--model gpt`` a GPTModel built through the ``--spec`` provider (and its MTP block when ``mtp``)."""
     from megatron.core.models.gpt import GPTModel
 
     from ..megatron.spec import get_glm5_dsa_mtp_spec

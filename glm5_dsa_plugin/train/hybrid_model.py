@@ -32,9 +32,14 @@ def build_hybrid_model(args, card: dict, config, max_sequence_length: int):
     """HybridModel of ``config.hybrid_layer_pattern``; ``--spec MODULE NAME`` names the stack spec
     object (the GPT default is read as ours: ``glm5_dsa_plugin.spec glm5_dsa_hybrid_stack_spec``)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     module, name = HYBRID_SPEC_DEFAULT if list(args.spec) == GPT_SPEC_DEFAULT else args.spec
     stack_spec = getattr(importlib.import_module(module), name)
+    if not isinstance(stack_spec, ModuleSpec):
+        raise ValueError(f"--spec {module} {name} is a {type(stack_spec).__name__}, not a hybrid stack ModuleSpec: "
+                         f"with --model hybrid (the default) --spec names the stack spec object (ours: "
+                         f"{' '.join(HYBRID_SPEC_DEFAULT)}); pass --model gpt for a GPT layer-spec provider")
     return HybridModel(config=config, hybrid_stack_spec=stack_spec, vocab_size=card["vocab_size"],
                        max_sequence_length=max_sequence_length, hybrid_layer_pattern=config.hybrid_layer_pattern,
                        position_embedding_type="none")

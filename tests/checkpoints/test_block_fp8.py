@@ -144,16 +144,18 @@ def test_conversion_streams_one_tensor_at_a_time(checkpoints):
     assert len(refs) > 100 and all(r() is None for r in refs)
 
 
-def test_launcher_loads_the_fp8_checkpoint(checkpoints, megatron_single_process):
+@pytest.mark.parametrize("model_class", ["hybrid", "gpt"])
+def test_launcher_loads_the_fp8_checkpoint(model_class, checkpoints, megatron_single_process):
     """The launchers' ``--hf`` path (load_hf_checkpoint into the spec model) gives the model the bf16
-    reference's weights."""
+    reference's weights, under either model class's names."""
     from glm5_dsa_plugin.train import core
 
     _, fp8_dir, bf16_dir, _ = checkpoints
-    args = core.base_parser("t").parse_args(["--hf", str(fp8_dir), "--backend", "reference", "--device", "cpu"])
+    args = core.base_parser("t").parse_args(["--hf", str(fp8_dir), "--backend", "reference", "--device", "cpu",
+                                             "--model", model_class])
     card = core.load_card_from_args(args)
     model = core.build_model(args, card, core.model_config(args, card), mtp=True)
-    want = conversion.hf_to_megatron(conversion.LazyHFCheckpoint(bf16_dir), card)
+    want = conversion.hf_to_megatron(conversion.LazyHFCheckpoint(bf16_dir), card, model=model_class)
     state = model.state_dict()
     assert "mtp.layers.0.eh_proj.weight" in want
     for k, v in want.items():

@@ -57,6 +57,14 @@ def test_pipeline_split_breaking_index_sharing_is_one_line(capsys, megatron_sing
     assert "layer 9" in lines[0] and "move the stage boundary" in lines[0]
 
 
+def test_gpt_spec_provider_under_the_hybrid_default_is_one_line(capsys, megatron_single_process):
+    # a GPT layer-spec provider given to the default --model hybrid (which takes a stack ModuleSpec)
+    rc, lines = _launch(lora.main, ["--card", "tiny", "--device", "cpu", "--steps", "1", "--spec",
+                                    "glm5_dsa_plugin.spec", "get_glm5_dsa_mtp_spec"], capsys)
+    assert rc == 2 and len(lines) == 1, lines
+    assert "not a hybrid stack ModuleSpec" in lines[0] and "--model gpt" in lines[0]
+
+
 def test_debug_keeps_the_traceback():
     with pytest.raises(cli.LauncherInputError, match="no such model card"):
         cli.launch(mtp.main, ["--card", "glm6", "--debug"])

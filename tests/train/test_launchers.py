@@ -9,7 +9,7 @@ import torch
 
 from glm5_dsa_plugin.train import lora, mtp, ppo
 from glm5_dsa_plugin.train import core
-from glm5_dsa_plugin.model.attention import GLM5DSAttention
+from glm5_dsa_plugin.megatron.hybrid_spec import GLM5HybridDSAttention
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 COMMON = ["--card", "tiny", "--backend", "reference", "--device", "cpu", "--seq-len", "24", "--batch-size", "2"]
@@ -89,7 +89,8 @@ def test_three_launchers_share_attention_and_kernel_entry(monkeypatch, megatron_
     for job in ("lora", "ppo", "mtp"):
         current["job"] = job
         assert MAINS[job](COMMON + ["--steps", "1"]) == 0
-    assert built == {"lora": {GLM5DSAttention}, "ppo": {GLM5DSAttention}, "mtp": {GLM5DSAttention}}
+    # the default --model is hybrid: every job builds a HybridModel whose DSA layers are ours
+    assert built == {"lora": {GLM5HybridDSAttention}, "ppo": {GLM5HybridDSAttention}, "mtp": {GLM5HybridDSAttention}}
     assert all(calls[j] > 0 for j in MAINS)
 
 

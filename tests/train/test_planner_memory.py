@@ -85,7 +85,8 @@ def _saved_per_layer(T: int) -> tuple[list[int], dict]:
     over = ["num_hidden_layers=4", "first_k_dense_replace=3", "index_topk_freq=4", "index_skip_topk_offset=3",
             "num_nextn_predict_layers=0", "index_topk=64", "hidden_size=96", "q_lora_rank=40",
             "qk_nope_head_dim=24", "v_head_dim=20", "intermediate_size=136", "moe_intermediate_size=36"]
-    argv = ["--backend", "reference", "--device", "cpu", "--dtype", "bf16", "--seq-len", str(T), "--batch-size", "1"]
+    argv = ["--model", "gpt", "--backend", "reference", "--device", "cpu", "--dtype", "bf16", "--seq-len", str(T),
+            "--batch-size", "1"]
     for o in over:
         argv += ["--card-override", o]
     args = core.base_parser("count").parse_args(argv)
