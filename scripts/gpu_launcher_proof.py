@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """GPU proof for the launchers: 50 steps each (LoRA, PPO, MTP) of a small 4-layer GLM-5-shaped model
 (GLM-5's indexer: 32 heads x 128, top-k 2048; narrow trunk) with the TileLang backend, at each
-``--seq-len`` (default 4096 and 16384 tokens per sequence); per-step JSON lines
-(``launcher_{job}_{seq}.jsonl``), a summary of every log under --out and a chart of the losses.
+``--seq-len`` (default 4096 and 16384 tokens per sequence), built as the launchers' default model
+class (HybridModel); per-step JSON lines (``launcher_{job}_{seq}.jsonl``), a summary of every log
+under --out (each run's ``model`` class from its log) and a chart of the losses.
 
 Job ``ppo-replay``: the PPO launcher records the rollout batch's indexer top-k with
 ``--record-indexer-topk`` (standing in for the rollout engine), then trains on it with
@@ -72,7 +73,7 @@ def summarize(out: str) -> dict:
             steps=len(rows), first_loss=sum(losses[:k]) / k, last_loss=sum(losses[-k:]) / k,
             all_grad_norms_finite=all(r["grad_norm"] == r["grad_norm"] and abs(r["grad_norm"]) < 1e30 for r in rows),
             max_grad_norm=max(r["grad_norm"] for r in rows), guard_events=rows[-1]["guard_events"],
-            tokens_per_s_last=rows[-1]["tokens_per_s"])
+            tokens_per_s_last=rows[-1]["tokens_per_s"], model=rows[-1].get("model"))
         if "indexer_topk_overlap" in rows[-1]:
             summary[run]["indexer_topk_overlap_first"] = rows[0]["indexer_topk_overlap"]
             summary[run]["indexer_topk_overlap_last"] = rows[-1]["indexer_topk_overlap"]

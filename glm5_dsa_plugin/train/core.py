@@ -310,7 +310,8 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
     start = load_checkpoint(args.load, model, opt) if args.load else 0
     model.train()
     log = []
-    label = getattr(args, "job", None) or type(model).__name__
+    model_class = type(model).__name__
+    label = getattr(args, "job", None) or model_class
     # the first step pays one-time costs (torch.compile of megatron-core's fused functions, lazy imports)
     bar = tqdm(range(start, start + args.steps), desc=f"{label} (first step: warm-up)", dynamic_ncols=True)
     logf = open(args.log_json, "a" if getattr(args, "log_json_append", False) else "w") if args.log_json else None
@@ -328,7 +329,8 @@ def train(args, model, card, step_fn: Callable[[int], StepResult], params=None) 
         dt = time.perf_counter() - t0
         gs = guard_stats()
         rec = dict(step=step, loss=res.loss, grad_norm=gn, tokens_per_s=res.tokens / dt,
-                   guard_events=gs["events"], guard_rows_repaired=gs["rows_repaired"], **res.metrics)
+                   guard_events=gs["events"], guard_rows_repaired=gs["rows_repaired"], model=model_class,
+                   **res.metrics)
         mfu = _step_mfu(args, model, shape, res, dt)
         if mfu is not None:
             rec["mfu"] = mfu

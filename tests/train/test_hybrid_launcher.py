@@ -36,6 +36,9 @@ def test_hybrid_job_matches_gpt_job_on_the_same_checkpoint(job, tmp_path, megatr
     gpt, hybrid = _losses(tmp_path / "gpt.jsonl"), _losses(tmp_path / "hybrid.jsonl")
     assert len(gpt) == 2 and all(torch.isfinite(torch.tensor(gpt)))
     assert hybrid == pytest.approx(gpt, rel=1e-5, abs=1e-6)
+    # each log line names the model class it trained
+    classes = {m: {json.loads(line)["model"] for line in open(tmp_path / f"{m}.jsonl")} for m in ("gpt", "hybrid")}
+    assert classes == {"gpt": {"GPTModel"}, "hybrid": {"HybridModel"}}
 
 
 def test_hybrid_ppo_replays_its_own_record_like_gpt(tmp_path, megatron_single_process):
