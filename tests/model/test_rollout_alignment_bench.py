@@ -84,3 +84,23 @@ def test_sampled_rows_give_the_full_runs_values_of_those_rows(small):
         tidx, tlp = bench.train_forward(inp, vis, mode, some)
         assert torch.equal(tidx, fidx[some]), mode
         assert torch.allclose(tlp, flp[some], rtol=0, atol=1e-5), mode
+
+
+def test_flashmla_order_attention_is_the_softmax_up_to_bf16_probabilities():
+    """The online softmax over 64-key blocks (a running max that grows block after block, a block
+    without any valid key, a row without keys) against one fp32 softmax of the same scores."""
+    g = torch.Generator().manual_seed(0)
+    c, H, K = 3, 4, 256
+    q = torch.randn(c, H, 576, generator=g).bfloat16()
+    kvs = torch.randn(c, K, 576, generator=g).bfloat16()
+    kvs[0] = kvs[0] * torch.linspace(0.1, 3.0, K)[:, None].bfloat16()  # row 0: the max grows across blocks
+    valid = torch.ones(c, K, dtype=torch.bool)
+    valid[1, :64] = False  # row 1: its first block has no key
+    valid[2] = False  # row 2: no key at all
+    got = bench.flashmla_order_attention(q, kvs, valid)
+    s = torch.einsum("chd,ckd->chk", q.float(), kvs.float()) * bench.SM_SCALE
+    p = torch.softmax(s.masked_fill(~valid[:, None, :], float("-inf")), -1)
+    want = torch.einsum("chk,ckd->chd", p[:2], kvs[:2, :, :bench.LAT].float())
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    err = (got[:2] - want).abs().max() / want.abs().max()
+    assert 0 < err < 2 ** -7, err  # bf16 probabilities: close to the softmax, not equal to it
