@@ -88,14 +88,30 @@ class DSAShape:
 
     @classmethod
     def from_config(cls, config, vocab_size: int = 0) -> "DSAShape":
-        """From a megatron-core ``MLATransformerConfig`` with DSA fields (``vocab_size`` is not in it)."""
+        """From a megatron-core ``MLATransformerConfig`` with DSA fields (``vocab_size`` is not in it).
+
+        A HybridModel config (``config.hybrid_layer_pattern`` set) counts one GLM-5 layer per ``D``
+        symbol of the main pattern, MoE layers from its ``E`` symbols and MTP layers from its ``/``
+        depths; its ``num_layers`` counts every symbol (two per GLM-5 layer) and is not used."""
         c = config
-        pattern = c.moe_layer_freq if c.num_moe_experts else 0
-        if isinstance(pattern, int):
-            pattern = [1 if pattern and i % pattern == 0 else 0 for i in range(c.num_layers)]
-        first_dense = pattern.index(1) if 1 in pattern else c.num_layers
+        hybrid = getattr(c, "hybrid_layer_pattern", None)
+        if hybrid:
+            main, *depths = hybrid.split("/")
+            main = main.replace("|", "")
+            num_layers, mtp_layers = main.count("D"), len(depths)
+            pattern = [1 if s == "E" else 0 for s in main if s in "-E"]
+            if len(pattern) != num_layers:
+                raise ValueError(f"hybrid_layer_pattern {hybrid!r}: {num_layers} attention layers 'D' but "
+                                 f"{len(pattern)} MLP/MoE layers ('-', 'E'); GLM-5 pairs one with each")
+        else:
+            num_layers, mtp_layers = c.num_layers, c.mtp_num_layers or 0
+            pattern = c.moe_layer_freq if c.num_moe_experts else 0
+            if isinstance(pattern, int):
+                pattern = [1 if pattern and i % pattern == 0 else 0 for i in range(num_layers)]
+        first_dense = pattern.index(1) if 1 in pattern else num_layers
         if not all(pattern[first_dense:]):
-            raise ValueError(f"moe_layer_freq {c.moe_layer_freq}: only dense layers first, then MoE layers, are counted")
+            where = f"hybrid_layer_pattern {hybrid!r}" if hybrid else f"moe_layer_freq {c.moe_layer_freq}"
+            raise ValueError(f"{where}: only dense layers first, then MoE layers, are counted")
         moe_ffn = c.moe_ffn_hidden_size or 0
         shared = (c.moe_shared_expert_intermediate_size or 0) // moe_ffn if moe_ffn else 0
         geometry = dsa_geometry(c)
@@ -106,9 +122,9 @@ class DSAShape:
                    index_topk=geometry.topk, intermediate_size=c.ffn_hidden_size,
                    moe_intermediate_size=moe_ffn, n_routed_experts=c.num_moe_experts or 0,
                    num_experts_per_tok=c.moe_router_topk or 0, n_shared_experts=shared,
-                   num_hidden_layers=c.num_layers, first_k_dense_replace=first_dense,
+                   num_hidden_layers=num_layers, first_k_dense_replace=first_dense,
                    index_topk_freq=geometry.topk_freq, index_skip_topk_offset=geometry.skip_offset,
-                   num_nextn_predict_layers=c.mtp_num_layers or 0, vocab_size=vocab_size)
+                   num_nextn_predict_layers=mtp_layers, vocab_size=vocab_size)
 
 
 def _lengths(seq_lens) -> list[int]:

@@ -83,6 +83,23 @@ def test_shape_from_a_card_and_from_its_transformer_config_agree(name):
         assert a.num_hidden_layers == 78 and a.first_k_dense_replace == 3 and a.n_shared_experts == 1
 
 
+@pytest.mark.parametrize("name", ["glm5", "tiny"])
+def test_shape_from_a_hybrid_config_counts_glm5_layers_not_pattern_symbols(name):
+    from glm5_dsa_plugin.checkpoints import cards
+    from glm5_dsa_plugin.megatron.hybrid_spec import hybrid_transformer_config
+
+    card = cards.load_card(name)
+    cfg = hybrid_transformer_config(card)
+    assert cfg.num_layers == 2 * card["num_hidden_layers"]  # two pattern symbols per GLM-5 layer
+    assert flops.DSAShape.from_config(cfg, vocab_size=card["vocab_size"]) == flops.DSAShape.from_card(card)
+    cfg.hybrid_layer_pattern = "DEDE-"
+    with pytest.raises(ValueError, match="2 attention layers 'D' but 3"):
+        flops.DSAShape.from_config(cfg)
+    cfg.hybrid_layer_pattern = "DED-"
+    with pytest.raises(ValueError, match="only dense layers first"):
+        flops.DSAShape.from_config(cfg)
+
+
 def test_bad_input_is_refused_and_mfu_needs_a_known_device():
     with pytest.raises(ValueError, match=r"seq_lens\[1\] = -2"):
         flops.layer_flops(TINY, [4, -2])
