@@ -17,10 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..model.indexer import computes_indices, index_source_layer
+from ..model.layer_pattern import SYMBOLS, split_pattern  # noqa: F401  (the pattern grammar, re-exported)
 
 __all__ = ["SYMBOLS", "glm5_hybrid_layer_pattern", "split_pattern", "dsa_layer_number", "check_index_sharing"]
-
-SYMBOLS = "D-E"  # the layer symbols this plugin builds (every other hybrid symbol is refused)
 
 
 def _fields(card_or_hf_config) -> Mapping:
@@ -56,17 +55,6 @@ def glm5_hybrid_layer_pattern(card_or_hf_config, stage_layers: Sequence[int] | N
         main = "|".join(cuts)
     depths = int(d.get("num_nextn_predict_layers") or 0) if mtp else 0
     return main + "/DE" * depths
-
-
-def split_pattern(pattern: str) -> tuple[list[str], list[str]]:
-    """-> (pipeline segments of the main pattern, MTP depth patterns); refuses symbols outside
-    ``D``, ``-``, ``E`` (naming the position), which this plugin's stack does not build."""
-    for pos, sym in enumerate(pattern):
-        if sym not in SYMBOLS + "|/":
-            raise ValueError(f"hybrid layer pattern {pattern!r}: symbol {sym!r} at position {pos} is not one of "
-                             f"D (DSA attention), - (MLP), E (MoE), | (pipeline cut), / (MTP depth)")
-    main, *mtp = pattern.split("/")
-    return main.split("|"), mtp
 
 
 def dsa_layer_number(pattern: str, layer_number: int, mtp: bool = False) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dsa_fields import dsa_geometry
+from .layer_pattern import split_pattern
 
 __all__ = ["DEVICE_PEAKS", "LAYER_PARTS", "DSAShape", "visible_pairs", "selected_pairs", "layer_flops", "model_flops",
            "device_peaks", "mfu"]
@@ -96,8 +97,8 @@ class DSAShape:
         c = config
         hybrid = getattr(c, "hybrid_layer_pattern", None)
         if hybrid:
-            main, *depths = hybrid.split("/")
-            main = main.replace("|", "")
+            segments, depths = split_pattern(hybrid)
+            main = "".join(segments)
             num_layers, mtp_layers = main.count("D"), len(depths)
             pattern = [1 if s == "E" else 0 for s in main if s in "-E"]
             if len(pattern) != num_layers:

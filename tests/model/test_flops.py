@@ -98,6 +98,9 @@ def test_shape_from_a_hybrid_config_counts_glm5_layers_not_pattern_symbols(name)
     cfg.hybrid_layer_pattern = "DED-"
     with pytest.raises(ValueError, match="only dense layers first"):
         flops.DSAShape.from_config(cfg)
+    cfg.hybrid_layer_pattern = "D-M-"
+    with pytest.raises(ValueError, match="symbol 'M' at position 2"):
+        flops.DSAShape.from_config(cfg)
 
 
 def test_bad_input_is_refused_and_mfu_needs_a_known_device():
