@@ -27,6 +27,17 @@ def _row_chunk(G: int, H: int, K: int, Dqk: int) -> int:
     return max(1, _CHUNK_BUDGET // per_row)
 
 
+def _live_slots(idx: torch.Tensor) -> torch.Tensor:
+    """idx [C, G, K] without the slot columns that are padding (-1) in every row of the chunk.
+
+    Such a column adds nothing to any row (a padding slot's probability and gradient are 0), so
+    dropping it leaves the result as it was; a top-k wider than the visible keys (2048 slots over
+    a few hundred keys) would otherwise gather and multiply mostly padding."""
+    live = (idx >= 0).flatten(0, 1).any(0)
+    live[:1] |= ~live.any()  # an all-padding chunk keeps one column: its rows stay empty rows
+    return idx if bool(live.all()) else idx[..., live]
+
+
 def _gather(kv_b: torch.Tensor, idx: torch.Tensor, cdt: torch.dtype):
     """kv_b [T_kv, G, D], idx [C, G, K] -> (kv_sel [G, C, K, D] with padding slots zeroed, valid [G, C, K])."""
     G = kv_b.shape[1]
@@ -68,7 +79,7 @@ def forward(q, kv, indices, sm_scale: float, d_v: int):
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     for b in range(B):
         for t0, t1 in _chunks(T, G, H, K, Dqk):
-            sel, valid = _gather(kv[b], indices[b, t0:t1], cdt)
+            sel, valid = _gather(kv[b], _live_slots(indices[b, t0:t1]), cdt)
             q_c = q[b, t0:t1].to(cdt).view(t1 - t0, G, Hg, Dqk).permute(1, 0, 2, 3)
             p, lse_c = _softmax_parts(q_c, sel, valid, sm_scale)
             o = torch.einsum("gchk,gckd->gchd", p, sel[..., :d_v])
@@ -102,7 +113,7 @@ def backward(q, kv, indices, grad_out, sm_scale: float, d_v: int, rows: torch.Te
             C = r.numel()
             if C == 0:
                 continue
-            idx = indices[b, r]
+            idx = _live_slots(indices[b, r])
             sel, valid = _gather(kv[b], idx, cdt)
             q_c = q[b, r].to(cdt).view(C, G, Hg, Dqk).permute(1, 0, 2, 3)
             do_c = grad_out[b, r].to(cdt).view(C, G, Hg, d_v).permute(1, 0, 2, 3)

@@ -100,6 +100,30 @@ def test_chunking_does_not_change_results(monkeypatch):
     torch.testing.assert_close(dkv1, dkv2, rtol=0, atol=1e-13)
 
 
+def test_top_k_wider_than_the_keys_drops_only_all_padding_columns():
+    """2048-slot rows over 16 keys: columns padding in every row are skipped, and the result is the
+    dense formula's. A live column is padding in most rows but not all, and a group's column can be
+    live while the other group's is padding (a wrong drop changes out, lse and the gradients)."""
+    gen = torch.Generator().manual_seed(6)
+    B, T, T_kv, G, H, K, d_v = 1, 12, 16, 2, 4, 2048, 8
+    q = torch.randn(B, T, H, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(B, T_kv, G, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    idx = torch.full((B, T, G, K), -1, dtype=torch.int32)
+    cols = torch.randperm(K, generator=gen)[:21]
+    idx[..., cols[:20]] = make_indices(B, T, G, 20, T_kv, gen, pad_frac=0.8, empty_rows=[5])
+    idx[0, 7, 1, cols[20]] = 3  # the one live entry of its column: one row, the second group
+    out, lse = sparse_mla(q, kv, idx, 0.4, d_v=d_v, backend="reference")
+    d_out, d_lse = dense_sparse_mla(q, kv, idx, 0.4, d_v)
+    torch.testing.assert_close(out, d_out, rtol=1e-10, atol=1e-10)
+    live = lse != EMPTY_ROW_LSE
+    torch.testing.assert_close(lse[live], d_lse[live].float(), rtol=1e-6, atol=1e-6)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, kv), g)
+    want = torch.autograd.grad(d_out, (q, kv), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
 def test_row_subset_backward_equals_full_on_those_rows():
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, 10, 2, 12, generator=gen, dtype=torch.float64)
