@@ -268,11 +268,25 @@ def check_topk(indices: torch.Tensor, vis: Visibility) -> None:
 
 def selected_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """The PyTorch definition of :func:`selected_scores` (gathers [T, K, Di]; for tests and CPU)."""
-    valid = indices >= 0
-    ks = k[indices.clamp(min=0).long()]  # [T, K, Di]
+    live = _live_columns(indices)
+    idx = indices if live is None else indices[:, live]
+    valid = idx >= 0
+    ks = k[idx.clamp(min=0).long()]  # [T, K_live, Di]
     s = torch.einsum("thd,tkd->thk", q.float(), ks.float()) * (q.shape[-1] ** -0.5)
-    sc = torch.einsum("thk,th->tk", torch.relu(s), w.float())
-    return sc.masked_fill(~valid, float("-inf"))
+    sc = torch.einsum("thk,th->tk", torch.relu(s), w.float()).masked_fill(~valid, float("-inf"))
+    if live is None:
+        return sc
+    return sc.new_full(indices.shape, float("-inf")).index_copy(1, live, sc)
+
+
+def _live_columns(indices: torch.Tensor) -> torch.Tensor | None:
+    """The slot columns of ``indices`` [T, K] that are not padding in every row (int64), or None if
+    all are. The references compute only those: a padding slot's value is fixed (-inf logit, 0
+    probability), and a top-k wider than the visible keys is mostly padding."""
+    live = (indices >= 0).any(0)
+    if bool(live.all()):
+        return None
+    return live.nonzero().squeeze(1)
 
 
 class _SelectedScores(torch.autograd.Function):
@@ -324,16 +338,20 @@ def attention_target_reference(query: torch.Tensor, kv: torch.Tensor, indices: t
     with torch.no_grad():
         for t0 in range(0, T, chunk_rows):
             t1 = min(T, t0 + chunk_rows)
-            idx = indices[t0:t1]
+            live = _live_columns(indices[t0:t1])
+            idx = indices[t0:t1] if live is None else indices[t0:t1, live]
             valid = idx >= 0
             kv_sel = kv[idx.clamp(min=0).long()].float()  # [c, K, G, D]
             qg = query[t0:t1].float().view(t1 - t0, G, H // G, -1)
-            att = torch.einsum("tgrd,tkgd->tgrk", qg, kv_sel).reshape(t1 - t0, H, K) * sm_scale
+            att = torch.einsum("tgrd,tkgd->tgrk", qg, kv_sel).reshape(t1 - t0, H, idx.shape[1]) * sm_scale
             att = att.masked_fill(~valid[:, None, :], float("-inf"))
             has = valid.any(-1)[:, None, None]
             att = torch.where(has, torch.softmax(torch.where(has, att, torch.zeros_like(att)), dim=-1),
                               torch.zeros_like(att))
-            out[t0:t1] = att.sum(1)
+            if live is None:
+                out[t0:t1] = att.sum(1)
+            elif live.numel():
+                out[t0:t1, live] = att.sum(1)
     return out
 
 

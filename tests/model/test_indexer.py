@@ -202,17 +202,20 @@ def test_index_sharing_pattern_matches_hf_and_guards_stage_starts():
         indexer.check_stage_layers(5, 8, 4, 3)
 
 
-def test_indexer_loss_equals_megatron_core():
+@pytest.mark.parametrize("K", [6, 64])
+def test_indexer_loss_equals_megatron_core(K):
+    """K = 64 over 20 keys: the references skip the slot columns that are padding in every row."""
     from megatron.core.transformer.experimental_attention_variant.dsa import compute_dsa_indexer_loss
 
     torch.manual_seed(3)
-    T, H, D, K = 20, 4, 24, 6
+    T, H, D = 20, 4, 24
     q, kv = torch.randn(T, H, D), torch.randn(T, D)
     iq, ik, iw = torch.randn(T, 2, 8), torch.randn(T, 8), torch.randn(T, 2)
     vis = indexer.Visibility.causal(T)
     idx = indexer.select_topk(iq, ik, iw, K, vis)
     dense = indexer.index_scores(iq, ik, iw).masked_fill(~vis.mask(), float("-inf"))
     logits = dense.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, float("-inf"))
+    torch.testing.assert_close(indexer.selected_scores_reference(iq, ik, iw, idx), logits)
     ours = indexer.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001)
     pg = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
     theirs = compute_dsa_indexer_loss(dense[None].clone(), idx[None].long(), q[:, None], kv[:, None, None].expand(T, 1, H, D),
