@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from glm5_dsa_plugin.train import lora, mtp, ppo  # noqa: E402
+from glm5_dsa_plugin.train import cli, lora, mtp, ppo  # noqa: E402
 
 SMALL = {"hidden_size": 512, "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 256,
          "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "index_n_heads": 32,
@@ -37,6 +37,8 @@ def main():
     ap.add_argument("--jobs", default="lora,ppo,mtp", help="comma-separated: lora, ppo, mtp, ppo-replay")
     ap.add_argument("--summarize-only", action="store_true", help="only rebuild the summary and chart from --out's logs")
     a = ap.parse_args()
+    cli.install_filters()  # the launchers' own filters (upstream warnings and per-module LoRA lines)
+    os.makedirs(a.out, exist_ok=True)
     over = sum((["--card-override", f"{k}={json.dumps(v)}"] for k, v in SMALL.items()), [])
     mains = {"lora": lora.main, "ppo": ppo.main, "mtp": mtp.main, "ppo-replay": ppo.main}
     if not a.summarize_only:
