@@ -146,9 +146,12 @@ def test_layer_kept_terms_match_counted_saved_tensors(megatron_single_process):
     counted = [y - x for x, y in zip(a, b)]
     want = [planned(256, *k) - planned(128, *k) for k in kinds]
     assert counted[:3] == want[:3]  # dense layers: to the byte
-    # the MoE layer: megatron-core's router helpers run through torch.compile, whose saved tensors can
-    # differ by a few bytes per token from one compile to the next (of ~2.8 KB per token here)
-    assert abs(counted[3] - want[3]) <= 16 * 128, (counted, want)
+    # the MoE layer: megatron-core's router helpers run through torch.compile, and what they keep
+    # depends on how they ran (of ~2.8 KB per token here): compiled for static shapes, the plan to
+    # the byte; recompiled for dynamic shapes after other tests' lengths, 4 bytes per token more;
+    # eagerly (a helper past its recompile limit, or TORCHDYNAMO_DISABLE=1), 32 bytes per token less.
+    # The bound takes all three; a missing [T, hidden] tensor (192 bytes per token) still fails it.
+    assert abs(counted[3] - want[3]) <= 40 * 128, (counted, want)
     # the top-k of the three computing layers stays on the carrier, [T, topk] int32 each
     assert holder == {1: 256 * 64 * 4, 2: 256 * 64 * 4, 3: 256 * 64 * 4}
     assert sum(holder.values()) == mem.stage_kept_parts(card, 1, 1, 256, 1, mem.Training(recompute="full"), 3,
