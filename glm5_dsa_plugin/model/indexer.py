@@ -24,6 +24,7 @@ import torch
 from ..ops import indexer as indexer_kernels
 from ..ops.contract import PAD_INDEX
 from ..ops.indexer import fp8_index
+from ..ops.reference import live_slot_columns
 
 __all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "deterministic_topk", "score_keys",
            "INVISIBLE_KEY", "topk_from_keys", "topk_row_block", "select_topk", "check_topk",
@@ -268,7 +269,7 @@ def check_topk(indices: torch.Tensor, vis: Visibility) -> None:
 
 def selected_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """The PyTorch definition of :func:`selected_scores` (gathers [T, K, Di]; for tests and CPU)."""
-    live = _live_columns(indices)
+    live = live_slot_columns(indices)
     idx = indices if live is None else indices[:, live]
     valid = idx >= 0
     ks = k[idx.clamp(min=0).long()]  # [T, K_live, Di]
@@ -277,16 +278,6 @@ def selected_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
     if live is None:
         return sc
     return sc.new_full(indices.shape, float("-inf")).index_copy(1, live, sc)
-
-
-def _live_columns(indices: torch.Tensor) -> torch.Tensor | None:
-    """The slot columns of ``indices`` [T, K] that are not padding in every row (int64), or None if
-    all are. The references compute only those: a padding slot's value is fixed (-inf logit, 0
-    probability), and a top-k wider than the visible keys is mostly padding."""
-    live = (indices >= 0).any(0)
-    if bool(live.all()):
-        return None
-    return live.nonzero().squeeze(1)
 
 
 class _SelectedScores(torch.autograd.Function):
@@ -338,7 +329,7 @@ def attention_target_reference(query: torch.Tensor, kv: torch.Tensor, indices: t
     with torch.no_grad():
         for t0 in range(0, T, chunk_rows):
             t1 = min(T, t0 + chunk_rows)
-            live = _live_columns(indices[t0:t1])
+            live = live_slot_columns(indices[t0:t1])
             idx = indices[t0:t1] if live is None else indices[t0:t1, live]
             valid = idx >= 0
             kv_sel = kv[idx.clamp(min=0).long()].float()  # [c, K, G, D]
@@ -350,7 +341,7 @@ def attention_target_reference(query: torch.Tensor, kv: torch.Tensor, indices: t
                               torch.zeros_like(att))
             if live is None:
                 out[t0:t1] = att.sum(1)
-            elif live.numel():
+            else:
                 out[t0:t1, live] = att.sum(1)
     return out
 

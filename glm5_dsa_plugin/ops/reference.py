@@ -12,7 +12,7 @@ import torch
 
 from .contract import EMPTY_ROW_LSE
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "live_slot_columns"]
 
 # Elements of fp32 scratch per chunk (gathered kv + scores); ~256 MiB.
 _CHUNK_BUDGET = 1 << 26
@@ -27,15 +27,24 @@ def _row_chunk(G: int, H: int, K: int, Dqk: int) -> int:
     return max(1, _CHUNK_BUDGET // per_row)
 
 
-def _live_slots(idx: torch.Tensor) -> torch.Tensor:
-    """idx [C, G, K] without the slot columns that are padding (-1) in every row of the chunk.
+def live_slot_columns(indices: torch.Tensor) -> torch.Tensor | None:
+    """Positions (int64) along the last axis of ``indices`` [..., K] holding an index (>= 0) in
+    some row, or None if every column does; an all-padding ``indices`` keeps column 0.
 
-    Such a column adds nothing to any row (a padding slot's probability and gradient are 0), so
-    dropping it leaves the result as it was; a top-k wider than the visible keys (2048 slots over
-    a few hundred keys) would otherwise gather and multiply mostly padding."""
-    live = (idx >= 0).flatten(0, 1).any(0)
-    live[:1] |= ~live.any()  # an all-padding chunk keeps one column: its rows stay empty rows
-    return idx if bool(live.all()) else idx[..., live]
+    A column that is padding (-1) in every row adds nothing to any row (its probability, logit
+    gradient and kv gradient are fixed), so the references compute only the others: a top-k wider
+    than the visible keys (2048 slots over a few hundred keys) is mostly such columns."""
+    live = (indices >= 0).reshape(-1, indices.shape[-1]).any(0)
+    if bool(live.all()):
+        return None
+    live[:1] |= ~live.any()  # keep one column: empty rows stay empty rows
+    return live.nonzero().squeeze(1)
+
+
+def _live_slots(idx: torch.Tensor) -> torch.Tensor:
+    """idx [C, G, K] without its all-padding slot columns (:func:`live_slot_columns`)."""
+    cols = live_slot_columns(idx)
+    return idx if cols is None else idx[..., cols]
 
 
 def _gather(kv_b: torch.Tensor, idx: torch.Tensor, cdt: torch.dtype):
