@@ -27,7 +27,7 @@ from ..ops.indexer import fp8_index
 from ..ops.reference import live_slot_columns
 
 __all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "deterministic_topk", "score_keys",
-           "INVISIBLE_KEY", "topk_from_keys", "topk_row_block", "select_topk", "check_topk",
+           "INVISIBLE_KEY", "RADIX_MIN_KEYS", "topk_from_keys", "topk_row_block", "select_topk", "check_topk",
            "selected_scores_reference", "selected_scores", "attention_target_reference", "attention_target",
            "indexer_kl_loss_from_target", "indexer_kl_loss", "computes_indices", "index_source_layer",
            "check_stage_layers"]
@@ -173,6 +173,10 @@ def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
     return idx
 
 
+# keys per row (the block's key prefix) from which a GPU block selects by the radix-select kernel
+# over fp32 scores instead of torch.topk over the int64 keys (docs/kernels.md has the crossover)
+RADIX_MIN_KEYS = 8192
+
 _KEY_CHUNK_BYTES = 1 << 29  # int64 keys of one row block on a GPU (the only O(rows x T_kv) buffer)
 
 
@@ -187,7 +191,9 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     """Indices [T, topk] int32 in packed kv coordinates, chunked over query rows.
 
     :func:`deterministic_topk` of the masked scores (highest score first, ties to the lower key
-    index, -1 last), the keys fused into the score kernel on a GPU. ``precision="fp8"`` scores as
+    index, -1 last), the keys fused into the score kernel on a GPU; a block whose key prefix reaches
+    ``RADIX_MIN_KEYS`` is selected by the radix-select kernel
+    (:mod:`glm5_dsa_plugin.ops.indexer.radix_topk`) from fp32 scores instead, in the same order. ``precision="fp8"`` scores as
     the rollout engines do (:func:`glm5_dsa_plugin.ops.indexer.fp8_index.fp8_index_scores`: Hadamard
     rotation, e4m3 with UE8M0 scales, q and k quantised once), on the same kernel and in the same
     order. Every emitted index is visible to its row (same sequence, not in the future) and < T_kv;
@@ -222,9 +228,13 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
             m = min(n, t1) if vis.query_index is None else n
             keys = None
             if use_triton:
+                radix = m >= RADIX_MIN_KEYS and m > topk
                 keys = _triton_scores(q[t0:t1], k[:m], w[t0:t1], vis.query_seq[t0:t1], vis.query_pos[t0:t1],
                                       qidx[t0:t1], vis.key_seq[:m], vis.key_pos[:m],
-                                      None if key_scale is None else key_scale[:m])
+                                      None if key_scale is None else key_scale[:m], as_keys=not radix)
+                if keys is not None and radix:
+                    out[t0:t1] = _triton_radix_topk(keys, topk)
+                    continue
             if keys is None:
                 sc = (index_scores(q[t0:t1], k[:m], w[t0:t1]) if key_scale is None
                       else fp8_index.fp8_index(q[t0:t1], w[t0:t1], k[:m], key_scale[:m]))
@@ -236,15 +246,28 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     return out
 
 
-def _triton_scores(q, k, w, qs, qp, qi, ks, kp, key_scale=None):
-    """Fused masked top-k keys, or None (after one warning) if the kernel cannot run here."""
+def _triton_scores(q, k, w, qs, qp, qi, ks, kp, key_scale=None, as_keys=True):
+    """Fused masked top-k keys (or the masked fp32 scores), or None (after one warning) if the kernel
+    cannot run here."""
     from ..ops.indexer import masked_scores
 
     try:
-        return masked_scores.masked_index_scores(q, k, w, qs, qp, qi, ks, kp, keys=True, key_scale=key_scale)
+        return masked_scores.masked_index_scores(q, k, w, qs, qp, qi, ks, kp, keys=as_keys, key_scale=key_scale)
     except Exception as exc:  # noqa: BLE001 - a performance path: fall back to the exact torch path
         indexer_kernels.disable(exc, stacklevel=4)
         return None
+
+
+def _triton_radix_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """:func:`deterministic_topk` of masked fp32 scores by the radix-select kernel, or by ``torch.topk``
+    (after one warning) if the kernel cannot run here."""
+    from ..ops.indexer import radix_topk
+
+    try:
+        return radix_topk.radix_topk(scores, topk)
+    except Exception as exc:  # noqa: BLE001 - a performance path: fall back to the exact torch path
+        indexer_kernels.disable(exc, stacklevel=4)
+        return deterministic_topk(scores, topk)
 
 
 def check_topk(indices: torch.Tensor, vis: Visibility) -> None:

@@ -145,3 +145,43 @@ def test_fp8_topk_kernel_selects_the_reference_fp8_set_at_glm5_sizes():
     agreement = 1 - differ.sum().item() / (2 * in_ref.sum().item())
     print(f"fp8 top-k member agreement with the reference: {agreement:.6f}")
     assert agreement > 0.9999
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_radix_select_blocks_equal_a_stable_sort_of_the_scores(packed):
+    """Blocks whose key prefix reaches RADIX_MIN_KEYS take the radix-select kernel; their rows equal
+    a stable sort of the same kernel's fp32 scores, and the kernel did not fall back."""
+    from glm5_dsa_plugin.ops import indexer as indexer_kernels
+    from glm5_dsa_plugin.ops.indexer.masked_scores import masked_index_scores
+
+    T, Hi, Di, K = 3 * indexer.RADIX_MIN_KEYS, 32, 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(T, Hi, Di, generator=g, device="cuda").to(torch.bfloat16)
+    k = torch.randn(T, Di, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.randn(T, Hi, generator=g, device="cuda").to(torch.bfloat16)
+    cu = torch.tensor([0, 5000, 5001, 20000, T]) if packed else torch.tensor([0, T])
+    vis = indexer.Visibility.from_cu_seqlens(cu, device="cuda")
+    block = indexer.RADIX_MIN_KEYS // 2
+    idx = indexer.select_topk(q, k, w, K, vis, chunk_rows=block)
+    assert indexer_kernels.triton_available(), indexer_kernels.status()
+    for t0 in range(2 * block, T, block):  # the blocks with a key prefix >= RADIX_MIN_KEYS
+        sub = vis.rows(torch.arange(t0, t0 + block, device="cuda"))
+        m = t0 + block
+        scores = masked_index_scores(q[t0:m], k[:m], w[t0:m], sub.query_seq, sub.query_pos, sub.qidx,
+                                     sub.key_seq[:m], sub.key_pos[:m])
+        vals, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+        want = torch.where(vals[:, :K] == float("-inf"), -1, order[:, :K]).to(torch.int32)
+        assert torch.equal(idx[t0:m], want), t0
+
+
+def test_radix_topk_equals_deterministic_topk_on_wide_tied_rows():
+    """64K-wide rows of a few distinct values (thousands of ties at the k-th), -inf tails and -0.0."""
+    from glm5_dsa_plugin.ops.indexer.radix_topk import radix_topk
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, K = 65536, 2048
+    scores = torch.randint(-3, 40, (64, n), generator=g, device="cuda").float() / 4
+    scores[::3, n // 2:] = float("-inf")
+    scores[1] = -0.0
+    scores[2, : n - 100] = float("-inf")  # fewer visible keys than K
+    assert torch.equal(radix_topk(scores, K), indexer.deterministic_topk(scores, K))

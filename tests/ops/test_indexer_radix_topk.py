@@ -1,0 +1,56 @@
+"""The radix-select top-k kernel against a stable sort of the same scores (an order independent of
+the kernel's and of ``score_keys``'s integer images), run by Triton's interpreter on CPU."""
+
+import pytest
+import torch
+
+from triton_interpreter import run_interpreted
+
+SCRIPT = r"""
+import torch
+from glm5_dsa_plugin.ops.indexer.radix_topk import radix_topk
+
+def stable_sort_topk(scores, k):
+    # highest first, equal scores in ascending key index, -inf -> -1; -0.0 equals +0.0
+    vals, order = torch.sort(scores + 0.0, dim=-1, descending=True, stable=True)
+    n = scores.shape[-1]
+    idx = torch.where(vals[:, :k] == float("-inf"), -1, order[:, :k]).to(torch.int32)
+    return torch.nn.functional.pad(idx, (0, max(0, k - n)), value=-1)
+
+def check(scores, k, block=64):
+    got = radix_topk(scores, k, block=block)
+    want = stable_sort_topk(scores, k)
+    assert torch.equal(got, want), (k, block, got, want)
+
+g = torch.Generator().manual_seed(0)
+C, n = 6, 300
+s = torch.randn(C, n, generator=g)
+for k in (1, 17, 299, 300, 400):                    # k = n and k > n: every key, then padding
+    check(s, k)
+check(s, 17, block=512)                              # one tile wider than the row
+ties = (torch.randn(C, n, generator=g) * 2).round() / 2   # a few values, hundreds of ties each
+check(ties, 40); check(ties, 150)
+masked = s.clone(); masked[:, 100:] = float("-inf"); masked[2] = float("-inf")
+check(masked, 130)                                   # rows with fewer visible keys than k, one with none
+check(masked, 50)
+zeros = torch.zeros(C, n); zeros[:, ::3] = -0.0; zeros[1, 5] = 1e-30; zeros[3, 7] = -1e-30
+check(zeros, 20)                                     # -0.0 ties with +0.0; denormal-scale neighbours
+check(torch.tensor([[float("inf"), 3.0, -float("inf"), 3.0, 2.0, -7.5]]), 3, block=4)
+# scores one ulp apart: the k-th is found only by the last (lowest) byte
+close = 1.0 + torch.arange(n) * 1.2e-7
+check(close[None, :].repeat(C, 1), 33)
+check(close[torch.randperm(n, generator=g)][None, :], 33)
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_radix_topk_matches_a_stable_sort_in_interpreter():
+    run_interpreted(SCRIPT)
+
+
+def test_radix_topk_refuses_non_float32_scores():
+    from glm5_dsa_plugin.ops.indexer.radix_topk import radix_topk
+
+    with pytest.raises(TypeError, match="scores must be 2-D float32, got torch.bfloat16"):
+        radix_topk(torch.zeros(2, 8, dtype=torch.bfloat16), 4)
