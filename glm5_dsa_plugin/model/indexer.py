@@ -192,16 +192,18 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
 
     :func:`deterministic_topk` of the masked scores (highest score first, ties to the lower key
     index, -1 last), the keys fused into the score kernel on a GPU; a block whose key prefix reaches
-    ``RADIX_MIN_KEYS`` is selected by the radix-select kernel
-    (:mod:`glm5_dsa_plugin.ops.indexer.radix_topk`) from fp32 scores instead, in the same order. ``precision="fp8"`` scores as
-    the rollout engines do (:func:`glm5_dsa_plugin.ops.indexer.fp8_index.fp8_index_scores`: Hadamard
-    rotation, e4m3 with UE8M0 scales, q and k quantised once), on the same kernel and in the same
-    order. Every emitted index is visible to its row (same sequence, not in the future) and < T_kv;
-    -1 fills the slots a row cannot use. ``check`` verifies all of that before returning (three host
+    ``RADIX_MIN_KEYS`` is selected from fp32 scores by the radix-select kernel
+    (:mod:`glm5_dsa_plugin.ops.indexer.radix_topk`) instead, in the same order.
+    ``precision="fp8"`` scores as the rollout engines do
+    (:func:`glm5_dsa_plugin.ops.indexer.fp8_index.fp8_index_scores`: Hadamard rotation, e4m3 with
+    UE8M0 scales, q and k quantised once), on the same kernels and in the same order. Every emitted
+    index is visible to its row (same sequence, not in the future) and < T_kv; -1 fills the slots a
+    row cannot use. ``check`` verifies all of that before returning (three host
     reads and a sort; a violation is a bug here, raised). The attention module passes
     ``check=False``: these hold by construction (tested), and ``sparse_mla`` validates the index range
     right after, so nothing out of range ever reaches a kernel. Memory: one block of rows x T_kv int64
-    keys at a time (512 MiB on a GPU), nothing of size T x T_kv."""
+    keys (or fp32 scores for the radix select) at a time (at most 512 MiB on a GPU), nothing of size
+    T x T_kv."""
     T, Hi, _ = q.shape
     n = k.shape[0]
     out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
