@@ -221,6 +221,8 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     else:
         c = max(1, _CHUNK_ELEMS // max(1, Hi * n))
     qidx = vis.qidx
+    if use_triton:
+        from ..ops.indexer import masked_scores, radix_topk
     with torch.no_grad():
         for t0 in range(0, T, c):
             t1 = min(T, t0 + c)
@@ -230,12 +232,14 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
             m = min(n, t1) if vis.query_index is None else n
             keys = None
             if use_triton:
-                radix = m >= RADIX_MIN_KEYS and m > topk
-                keys = _triton_scores(q[t0:t1], k[:m], w[t0:t1], vis.query_seq[t0:t1], vis.query_pos[t0:t1],
-                                      qidx[t0:t1], vis.key_seq[:m], vis.key_pos[:m],
-                                      None if key_scale is None else key_scale[:m], as_keys=not radix)
+                radix = m >= RADIX_MIN_KEYS and m > topk  # fp32 scores for the radix select, else int64 keys
+                keys = _kernel_or_none(masked_scores.masked_index_scores, q[t0:t1], k[:m], w[t0:t1],
+                                       vis.query_seq[t0:t1], vis.query_pos[t0:t1], qidx[t0:t1], vis.key_seq[:m],
+                                       vis.key_pos[:m], keys=not radix,
+                                       key_scale=None if key_scale is None else key_scale[:m])
                 if keys is not None and radix:
-                    out[t0:t1] = _triton_radix_topk(keys, topk)
+                    sel = _kernel_or_none(radix_topk.radix_topk, keys, topk)
+                    out[t0:t1] = sel if sel is not None else deterministic_topk(keys, topk)
                     continue
             if keys is None:
                 sc = (index_scores(q[t0:t1], k[:m], w[t0:t1]) if key_scale is None
@@ -248,28 +252,14 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     return out
 
 
-def _triton_scores(q, k, w, qs, qp, qi, ks, kp, key_scale=None, as_keys=True):
-    """Fused masked top-k keys (or the masked fp32 scores), or None (after one warning) if the kernel
-    cannot run here."""
-    from ..ops.indexer import masked_scores
-
+def _kernel_or_none(kernel, *args, **kwargs):
+    """``kernel(*args, **kwargs)``, or None (after one warning; the indexer kernels are then off) if it
+    cannot run here: the caller falls back to the exact torch path."""
     try:
-        return masked_scores.masked_index_scores(q, k, w, qs, qp, qi, ks, kp, keys=as_keys, key_scale=key_scale)
-    except Exception as exc:  # noqa: BLE001 - a performance path: fall back to the exact torch path
+        return kernel(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a performance path
         indexer_kernels.disable(exc, stacklevel=4)
         return None
-
-
-def _triton_radix_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """:func:`deterministic_topk` of masked fp32 scores by the radix-select kernel, or by ``torch.topk``
-    (after one warning) if the kernel cannot run here."""
-    from ..ops.indexer import radix_topk
-
-    try:
-        return radix_topk.radix_topk(scores, topk)
-    except Exception as exc:  # noqa: BLE001 - a performance path: fall back to the exact torch path
-        indexer_kernels.disable(exc, stacklevel=4)
-        return deterministic_topk(scores, topk)
 
 
 def check_topk(indices: torch.Tensor, vis: Visibility) -> None:

@@ -26,11 +26,19 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INVISIBLE_KEY", "masked_index_scores"]
+__all__ = ["INVISIBLE_KEY", "order_preserving_bits", "masked_index_scores"]
 
 
 # the key of every invisible (row, key) pair: below the key of any score, -inf included
 INVISIBLE_KEY: tl.constexpr = tl.constexpr(-(1 << 63))
+
+
+@triton.jit
+def order_preserving_bits(x):
+    """fp32 -> int32 whose signed order is x's order (``-0.0`` folded into ``+0.0``): the high half
+    of a top-k key."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
@@ -73,10 +81,8 @@ def _index_scores_kernel(Q, K, W, KSCALE, QSEQ, QPOS, QIDX, KSEQ, KPOS, OUT, T, 
         kp = tl.load(KPOS + cols, mask=cmask, other=0)
         vis = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
         if KEYS:
-            # order-preserving int32 image of the score (+0.0 folds -0.0 into +0.0), index tie-break below
-            bits = (acc + 0.0).to(tl.int32, bitcast=True)
-            ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-            key = (ordered.to(tl.int64) << 32) | (S - 1 - cols[None, :]).to(tl.int64)
+            # the score's order-preserving image above, the index tie-break below
+            key = (order_preserving_bits(acc).to(tl.int64) << 32) | (S - 1 - cols[None, :]).to(tl.int64)
             tl.store(optr, tl.where(vis, key, INVISIBLE_KEY), mask=omask)
         else:
             tl.store(optr, tl.where(vis, acc, float("-inf")), mask=omask)

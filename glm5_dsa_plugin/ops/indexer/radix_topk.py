@@ -25,18 +25,15 @@ import triton
 import triton.language as tl
 
 from ..contract import PAD_INDEX
+from .masked_scores import INVISIBLE_KEY, order_preserving_bits
 
 __all__ = ["radix_topk"]
-
-_INVISIBLE_KEY: tl.constexpr = tl.constexpr(-(1 << 63))
 
 
 @triton.jit
 def _image(x):
-    """fp32 -> int64 in [0, 2**32): the order-preserving image (-0.0 folded into +0.0)."""
-    bits = (x + 0.0).to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return ordered.to(tl.int64) + 2147483648
+    """fp32 -> int64 in [0, 2**32): the order-preserving image, offset to unsigned."""
+    return order_preserving_bits(x).to(tl.int64) + 2147483648
 
 
 @triton.jit
@@ -79,7 +76,7 @@ def _radix_select_kernel(S, OUT, n, stride, K, BLOCK: tl.constexpr):
         sel_i = sel.to(tl.int32)
         pos = taken + tl.cumsum(sel_i, 0) - sel_i
         key = ((u - 2147483648) << 32) | (n - 1 - offs).to(tl.int64)
-        key = tl.where(x == float("-inf"), _INVISIBLE_KEY, key)
+        key = tl.where(x == float("-inf"), INVISIBLE_KEY, key)
         tl.store(OUT + row.to(tl.int64) * K + pos, key, mask=sel)
         taken += tl.sum(sel_i, 0)
         ties += tl.sum(eq_i, 0)
@@ -99,7 +96,7 @@ def radix_topk(scores: torch.Tensor, topk: int, block: int = 2048) -> torch.Tens
         _radix_select_kernel[(C,)](s, keys, n, s.stride(0), k, BLOCK=min(block, triton.next_power_of_2(n)),
                                    num_warps=8)
     vals = keys.sort(dim=-1, descending=True).values
-    idx = torch.where(vals == -(1 << 63), torch.full_like(vals, PAD_INDEX), (n - 1) - (vals & 0xFFFFFFFF))
+    idx = torch.where(vals == INVISIBLE_KEY.value, torch.full_like(vals, PAD_INDEX), (n - 1) - (vals & 0xFFFFFFFF))
     idx = idx.to(torch.int32)
     if topk > k:
         idx = torch.nn.functional.pad(idx, (0, topk - k), value=PAD_INDEX)
