@@ -24,6 +24,7 @@ import torch
 from ..ops import indexer as indexer_kernels
 from ..ops.contract import PAD_INDEX
 from ..ops.indexer import fp8_index
+from ..ops.indexer.topk_keys import INVISIBLE_KEY
 from ..ops.reference import live_slot_columns
 
 __all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "deterministic_topk", "score_keys",
@@ -157,9 +158,6 @@ def score_keys(scores: torch.Tensor) -> torch.Tensor:
     low = (n - 1 - torch.arange(n, device=scores.device, dtype=torch.int64))
     keys = (ordered.to(torch.int64) << 32) | low
     return keys.masked_fill(scores == float("-inf"), INVISIBLE_KEY)
-
-
-INVISIBLE_KEY = -(1 << 63)
 
 
 def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:

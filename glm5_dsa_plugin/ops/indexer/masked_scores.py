@@ -26,11 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .topk_keys import INVISIBLE_KEY as _INVISIBLE_KEY
+
 __all__ = ["INVISIBLE_KEY", "order_preserving_bits", "masked_index_scores"]
 
 
-# the key of every invisible (row, key) pair: below the key of any score, -inf included
-INVISIBLE_KEY: tl.constexpr = tl.constexpr(-(1 << 63))
+# the package's INVISIBLE_KEY as a kernel constant
+INVISIBLE_KEY: tl.constexpr = tl.constexpr(_INVISIBLE_KEY)
 
 
 @triton.jit
