@@ -372,25 +372,36 @@ def attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 
 
 class _IndexerKL(torch.autograd.Function):
-    """sum_t KL(target_t || softmax(logits_t)) over valid slots, in row blocks.
+    """sum_t KL(normalise(target_t) || softmax(logits_t)) over valid slots.
 
-    ``target`` (fp32 [T, K], normalised, owned by this function) is overwritten block by block
-    with d(sum)/d(logits) = softmax(logits) * sum(target) - target as the forward goes: the only
-    tensor kept for the backward is that [T, K] gradient (not the logits, target and mask), which
-    the backward scales in place by the incoming gradient. A second backward through the same
-    graph (``retain_graph=True``) is refused, as the kept gradient was scaled by the first."""
+    ``target`` (fp32 [T, K], head-summed probabilities, owned by this function) is overwritten with
+    d(sum)/d(logits) = softmax(logits) * sum(p) - p, p the normalised target: the only tensor kept
+    for the backward is that [T, K] gradient (not the logits, target and mask), which the backward
+    scales in place by the incoming gradient. On CUDA one Triton program per row does it in one pass
+    (:mod:`glm5_dsa_plugin.ops.indexer.kl_rows`); otherwise PyTorch in row blocks of ``chunk_rows``.
+    A second backward through the same graph (``retain_graph=True``) is refused, as the kept
+    gradient was scaled by the first."""
 
     @staticmethod
-    def forward(ctx, logits, target, valid, chunk_rows, eps):
+    def forward(ctx, logits, target, indices, chunk_rows, eps):
         keep = ctx.needs_input_grad[0]
-        total = logits.new_zeros(())
-        for t0 in range(0, logits.shape[0], chunk_rows):
-            sl = slice(t0, t0 + chunk_rows)
-            logp = _masked_log_softmax(logits[sl], valid[sl])
-            p = target[sl]
-            total += (p * (torch.log(p.clamp_min(eps)) - logp)).masked_fill(~valid[sl], 0.0).sum()
-            if keep:
-                p.copy_(logp.exp_().masked_fill_(~valid[sl], 0.0).mul_(p.sum(-1, keepdim=True)).sub_(p))
+        total = None
+        if logits.is_cuda and indexer_kernels.triton_available():
+            from ..ops.indexer import kl_rows
+
+            rows = _kernel_or_none(kl_rows.kl_rows, logits, target, indices.to(torch.int32).contiguous(), eps)
+            total = None if rows is None else rows.sum()
+        if total is None:
+            total = logits.new_zeros(())
+            for t0 in range(0, logits.shape[0], chunk_rows):
+                sl = slice(t0, t0 + chunk_rows)
+                valid = indices[sl] >= 0
+                p = target[sl].masked_fill_(~valid, 0.0)
+                p.div_(p.sum(-1, keepdim=True).clamp_min(eps))
+                logp = _masked_log_softmax(logits[sl], valid)
+                total += (p * (torch.log(p.clamp_min(eps)) - logp)).masked_fill(~valid, 0.0).sum()
+                if keep:
+                    p.copy_(logp.exp_().masked_fill_(~valid, 0.0).mul_(p.sum(-1, keepdim=True)).sub_(p))
         if keep:
             ctx.save_for_backward(target)
         ctx.scaled = False
@@ -421,12 +432,10 @@ def indexer_kl_loss_from_target(index_logits: torch.Tensor, target: torch.Tensor
 
     index_logits [T, K] fp32 (differentiable), target [T, K] head-summed probabilities (already
     reduced over TP ranks), indices [T, K] (-1 padding). Rows without a valid slot count in the mean
-    with KL 0. Nothing beyond [T, K] tensors is formed; the gradient is computed in row blocks."""
-    valid = indices >= 0
+    with KL 0. Nothing beyond [T, K] tensors is formed (see :class:`_IndexerKL`)."""
     with torch.no_grad():
-        tgt = target.float().masked_fill(~valid, 0.0)  # a new buffer: _IndexerKL overwrites it
-        tgt.div_(tgt.sum(-1, keepdim=True).clamp_min(eps))
-    kl = _IndexerKL.apply(index_logits.float(), tgt, valid, chunk_rows, eps)
+        tgt = target.detach().to(torch.float32, copy=True).contiguous()  # a new buffer: _IndexerKL overwrites it
+    kl = _IndexerKL.apply(index_logits.float(), tgt, indices, chunk_rows, eps)
     return kl / max(index_logits.shape[0], 1) * coeff
 
 

@@ -119,6 +119,31 @@ def test_loss_target_from_lse_matches_reference_at_glm5_sizes():
     torch.testing.assert_close(got.sum(-1)[rows], torch.full_like(got.sum(-1)[rows], float(H)), rtol=1e-3, atol=0)
 
 
+def test_kl_loss_kernel_matches_the_torch_path_at_glm5_sizes():
+    """The one-pass KL kernel on CUDA against the chunked PyTorch path on CPU: value and gradient."""
+    from glm5_dsa_plugin.ops import indexer as indexer_kernels
+
+    T, K = 4096, 2048
+    g = torch.Generator(device="cuda").manual_seed(11)
+    vis = indexer.Visibility.causal(T, device="cuda")
+    idx = indexer.select_topk(torch.randn(T, 4, 32, generator=g, device="cuda"), torch.randn(T, 32, generator=g,
+                         device="cuda"), torch.randn(T, 4, generator=g, device="cuda"), K, vis)
+    assert (idx < 0).any()  # rows 0..2046 carry padding
+    logits = (torch.randn(T, K, generator=g, device="cuda") * 4).masked_fill(idx < 0, float("-inf"))
+    target = torch.rand(T, K, generator=g, device="cuda") * 64
+    got_x = logits.clone().requires_grad_(True)
+    got = indexer.indexer_kl_loss_from_target(got_x, target, idx, 1e-3)
+    (got * 3.0).backward()
+    want_x = logits.cpu().requires_grad_(True)
+    want = indexer.indexer_kl_loss_from_target(want_x, target.cpu(), idx.cpu(), 1e-3)
+    (want * 3.0).backward()
+    assert indexer_kernels.triton_available()
+    torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-5, atol=0)
+    grad, ref = got_x.grad.cpu(), want_x.grad
+    assert ref.abs().sum() > 0 and torch.equal(grad[idx.cpu() < 0], torch.zeros_like(grad[idx.cpu() < 0]))
+    assert ((grad - ref).norm() / ref.norm()).item() < 1e-5
+
+
 def test_fp8_topk_kernel_selects_the_reference_fp8_set_at_glm5_sizes():
     """``select_topk(precision="fp8")`` (the Triton kernel on e4m3 operands widened to bf16) against the
     published FP8 definition in torch (fp8_index.fp8_select_topk) at GLM-5's indexer shape: the same set

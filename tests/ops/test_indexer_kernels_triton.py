@@ -1,5 +1,5 @@
-"""The indexer's Triton kernels (selected-slot scores and their gradients, the loss target, the top-k
-keys) against the PyTorch definitions, run by Triton's interpreter on CPU in a subprocess."""
+"""The indexer's Triton kernels (selected-slot scores and their gradients, the loss target, the KL
+loss rows, the top-k keys) against the PyTorch definitions, run by Triton's interpreter on CPU in a subprocess."""
 
 from triton_interpreter import run_interpreted
 
@@ -60,6 +60,38 @@ torch.testing.assert_close(got.sum(-1)[valid.any(-1)], torch.full((int(valid.any
 print("OK")
 """
 
+KL_ROWS = r"""
+import torch
+from glm5_dsa_plugin.ops.indexer.kl_rows import kl_rows
+
+g = torch.Generator().manual_seed(3)
+T, K, eps = 11, 13, 1e-10                               # K not a power of two: the row block is masked
+logits = torch.randn(T, K, generator=g) * 3
+target = torch.rand(T, K, generator=g) * 5
+idx = torch.randint(0, 40, (T, K), generator=g, dtype=torch.int32)
+idx[2, 5:] = -1
+idx[4] = -1                                             # a row without a valid slot: loss 0, grad 0
+target[6] = 0.0                                         # a row whose target is all zero: p = 0
+logits[2, 5:] = 1e4                                     # padding slots' logits and targets are ignored
+target[2, 5:] = 1e4
+valid = idx >= 0
+# the definition, by autograd
+leaf = logits.clone().requires_grad_(True)
+p = target.masked_fill(~valid, 0.0)
+p = p / p.sum(-1, keepdim=True).clamp_min(eps)
+logq = torch.log_softmax(leaf.masked_fill(~valid, float("-inf")), -1).masked_fill(~valid, 0.0)
+want = (p * (torch.log(p.clamp_min(eps)) - logq)).masked_fill(~valid, 0.0).sum(-1)
+want.sum().backward()
+buf = target.clone()
+got = kl_rows(logits, buf, idx, eps)
+torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+torch.testing.assert_close(buf, leaf.grad, rtol=1e-5, atol=1e-7)  # the gradient, written over the target
+assert got[4] == 0 and torch.equal(buf[4], torch.zeros(K)) and torch.equal(buf[6], torch.zeros(K))
+assert torch.equal(buf[~valid], torch.zeros_like(buf[~valid]))
+assert (got > 0).sum() >= T - 2
+print("OK")
+"""
+
 KEYS = r"""
 import torch
 from glm5_dsa_plugin.model import indexer
@@ -89,6 +121,10 @@ def test_selected_slot_scores_and_gradients_match_torch():
 
 def test_loss_target_from_lse_matches_torch():
     run_interpreted(TARGET)
+
+
+def test_kl_loss_rows_and_gradient_match_autograd():
+    run_interpreted(KL_ROWS)
 
 
 def test_fused_topk_keys_match_a_stable_sort():

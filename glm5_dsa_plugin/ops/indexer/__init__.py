@@ -2,9 +2,11 @@
 
 * :mod:`.masked_scores`: the indexer scores with the visibility mask fused in (or their top-k keys);
 * :mod:`.slot_scores`: the differentiable scores at the selected slots, forward and backward;
-* :mod:`.attention_target`: the head-summed attention probabilities at the selected slots.
+* :mod:`.attention_target`: the head-summed attention probabilities at the selected slots;
+* :mod:`.kl_rows`: the indexer's KL loss and its gradient, one row per program;
+* :mod:`.radix_topk`: the top-k of wide fp32 score rows by radix select.
 
-The exact PyTorch definitions of all three live with the model (:mod:`glm5_dsa_plugin.model.indexer`);
+The exact PyTorch definitions of all of them live with the model (:mod:`glm5_dsa_plugin.model.indexer`);
 these kernels are its fast path on CUDA. :func:`triton_available` says whether they may run;
 :func:`disable` switches them off for the process after a kernel failed (one warning, then the
 PyTorch path, which is exact too).
