@@ -61,6 +61,25 @@ def test_check_topk_rejects_bad_indices():
         indexer.check_topk(torch.tensor([[0, -1], [0, 1], [1, 1], [3, 0]], dtype=torch.int32), vis)
 
 
+
+def test_slots_in_key_order_keeps_every_value_and_puts_padding_last():
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randperm(1000, generator=g)[:12].to(torch.int32) for _ in range(5)]
+    idx = torch.stack(rows)
+    idx[1, 5:] = -1  # padding in the middle of the row (the top-k puts it last; replay may not)
+    idx[1, 2] = -1
+    idx[3, 7] = -5  # a bad value: kept for index validation to refuse, not turned into padding
+    idx[4, 0] = torch.iinfo(torch.int32).max
+    out = indexer.slots_in_key_order(idx)
+    assert out.dtype == torch.int32 and out.shape == idx.shape
+    for r in range(idx.shape[0]):
+        assert sorted(out[r].tolist()) == sorted(idx[r].tolist())  # the same multiset
+        u = (out[r].to(torch.int64) & 0xFFFFFFFF).tolist()  # ascending as unsigned: -1 last
+        assert u == sorted(u)
+    assert out[1, 4:].eq(-1).all() and out[1, :4].ge(0).all()
+    assert out[3, -1] == -5 and out[4, -1] == torch.iinfo(torch.int32).max
+    assert torch.equal(indexer.slots_in_key_order(out), out)
+
 # --------------------------------------------------------------------------- HF parity
 def _hf_config(**kw):
     from transformers import GlmMoeDsaConfig
