@@ -313,9 +313,11 @@ class GLM5DSAttention(MegatronModule):
         G = kv_att.shape[1]
         # The indices come from our own top-k. With the guard on, validating them is free (read with
         # the guard's flag); with GLM5_DSA_NONFINITE=off the attention reads no device flag at all.
-        # the slots in key order for the kernels (same attention; the indexer loss keeps the top-k order)
-        by_key = indexer.slots_in_key_order(indices)
-        out, lse = sparse_mla(q_att, kv_att, by_key[:, None, :].expand(-1, G, -1).contiguous(),
+        # at long T the slots in key order for the kernels (same attention; the loss keeps the top-k's)
+        att_idx = indices
+        if kv_att.shape[0] >= indexer.KEY_ORDER_MIN_KEYS:
+            att_idx = indexer.slots_in_key_order(indices)
+        out, lse = sparse_mla(q_att, kv_att, att_idx[:, None, :].expand(-1, G, -1).contiguous(),
                             self.softmax_scale, d_v=d_v, backend=backend, validate=guard_policy() != "off",
                             deterministic=deterministic)  # [b*s, H, d_v]
         if index_logits is not None:

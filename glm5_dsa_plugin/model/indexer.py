@@ -28,7 +28,7 @@ from ..ops.indexer.topk_keys import INVISIBLE_KEY
 from ..ops.reference import live_slot_columns
 
 __all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "deterministic_topk", "score_keys",
-           "INVISIBLE_KEY", "RADIX_MIN_KEYS", "topk_from_keys", "slots_in_key_order", "topk_row_block", "select_topk", "check_topk",
+           "INVISIBLE_KEY", "RADIX_MIN_KEYS", "topk_from_keys", "KEY_ORDER_MIN_KEYS", "slots_in_key_order", "topk_row_block", "select_topk", "check_topk",
            "selected_scores_reference", "selected_scores", "attention_target_reference", "attention_target",
            "indexer_kl_loss_from_target", "indexer_kl_loss", "computes_indices", "index_source_layer",
            "check_stage_layers"]
@@ -172,6 +172,11 @@ def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 
+# kv rows from which sparse MLA reads each row's top-k in key order (slots_in_key_order): past the
+# L2 (50 MB on H100 / H200) with the backward's fp32 dKV [T_kv, 576]; docs/kernels.md has the figures
+KEY_ORDER_MIN_KEYS = 32768
+
+
 def slots_in_key_order(indices: torch.Tensor) -> torch.Tensor:
     """A copy of ``indices`` [..., K] int32 with each row's entries in ascending unsigned order: the
     valid keys ascending, then any other negative value, then the -1 padding (every value kept,
@@ -179,7 +184,8 @@ def slots_in_key_order(indices: torch.Tensor) -> torch.Tensor:
 
     Sparse attention over a row's slots does not depend on their order. In key order the query
     rows a GPU runs at once walk their keys in step, so the backward's fp32 dKV atomics land in
-    neighbouring kv rows and stay in L2 at long T (docs/kernels.md). Flipping the sign bit maps the
+    neighbouring kv rows and stay in L2 at long T (the attention does this from
+    ``KEY_ORDER_MIN_KEYS`` kv rows; docs/kernels.md). Flipping the sign bit maps the
     unsigned order onto int32's, so the sort is one signed sort between two xors."""
     flip = torch.iinfo(torch.int32).min
     return torch.bitwise_xor(indices, flip).sort(dim=-1).values.bitwise_xor_(flip)

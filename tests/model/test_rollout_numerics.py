@@ -109,9 +109,25 @@ def test_fp8_indexer_selects_the_fp8_topk_and_bf16_keeps_the_reference(megatron_
                 assert not torch.equal(ref, indexer.select_topk(q, k, w, 8, vis))  # the two scorings differ here
             else:
                 ref = indexer.select_topk(q, k, w, 8, vis)
-        # sparse MLA reads each row's top-k in key order
-        assert torch.equal(seen["indices"], indexer.slots_in_key_order(ref)), precision
+        assert torch.equal(seen["indices"], ref), precision
 
+
+def test_sparse_mla_reads_the_topk_in_key_order_from_key_order_min_keys(megatron_single_process, monkeypatch):
+    card, cfg = _config(dsa_indexer_precision="bf16", dsa_kv_fp8_qat=False)
+    att = _attention(cfg).eval()
+    inp = _inputs(card)
+    vis = indexer.Visibility.causal(S)
+    with torch.no_grad():
+        q, k, w = att.indexer.qkw(inp["x"][:, 0], inp["qr"][:, 0], vis.query_pos)
+        topk = indexer.select_topk(q, k, w, 8, vis)
+        out_topk, seen = _run(att, inp, monkeypatch=monkeypatch)
+        assert torch.equal(seen["indices"], topk)  # S kv rows < KEY_ORDER_MIN_KEYS: the top-k's order
+        monkeypatch.setattr(indexer, "KEY_ORDER_MIN_KEYS", S)
+        out_by_key, seen = _run(att, inp, monkeypatch=monkeypatch)
+    by_key = indexer.slots_in_key_order(topk)
+    assert not torch.equal(by_key, topk)  # the two orders differ here
+    assert torch.equal(seen["indices"], by_key)
+    torch.testing.assert_close(out_by_key, out_topk, rtol=1e-4, atol=1e-4)  # the same attention (sum order aside)
 
 def test_kv_fp8_qat_forward_reads_the_cache_values_and_passes_gradients_straight(megatron_single_process,
                                                                                  monkeypatch):
