@@ -18,9 +18,11 @@ def stable_sort_topk(scores, k):
     return torch.nn.functional.pad(idx, (0, max(0, k - n)), value=-1)
 
 def check(scores, k, block=64):
-    got = radix_topk(scores, k, block=block)
     want = stable_sort_topk(scores, k)
-    assert torch.equal(got, want), (k, block, got, want)
+    # a candidate list wider than any bucket, and one of 2 entries (most rows take the row passes)
+    for candidates in (1024, 2):
+        got = radix_topk(scores, k, block=block, candidates=candidates)
+        assert torch.equal(got, want), (k, block, candidates, got, want)
 
 g = torch.Generator().manual_seed(0)
 C, n = 6, 300

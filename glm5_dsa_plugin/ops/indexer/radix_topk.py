@@ -7,14 +7,17 @@ The result equals ``topk_from_keys(score_keys(scores), topk)`` of
 key index, ``-1`` (invisible or missing keys) last.
 
 Method, one program per row. Each score maps to its order-preserving 32-bit image ``u`` (the
-same image as ``score_keys``'s high half, offset to unsigned). Up to four passes over the row
-build a 256-bin histogram of one byte of ``u`` (most significant first) among the keys that
-match the bytes chosen so far, and choose the byte whose bucket holds the k-th largest image;
-a pass whose bucket is needed whole ends the search early. A last pass writes, in key order,
-every key above the chosen prefix and the lowest-index keys at it until k are taken, as the
-int64 keys of ``score_keys``; one sort of those ``[C, k]`` keys gives the order. The row is
-read two to five times and nothing of size ``C x n`` is written, where ``torch.topk`` over the
-int64 keys needs the keys written first and a sixteen-pass radix select over them.
+same image as ``score_keys``'s high half, offset to unsigned). Two passes over the row build
+256-bin histograms of u's top two bytes (the second among the entries matching the first) and
+choose the bytes whose bucket holds the k-th largest image. A third pass writes every key above
+that 16-bit bucket to the output and the bucket's entries, in key order, to a per-row candidate
+list; two histogram passes and a last select over the candidates (about a hundred entries on
+real scores) settle the low bytes and take the lowest-index entries at the k-th image. A bucket
+larger than the list (thousands of ties) takes the same two histograms and the select over the
+row instead. The output holds the int64 keys of ``score_keys``; one sort of those ``[C, k]``
+keys gives the order. The row is read three or five times and nothing of size ``C x n`` is
+written, where ``torch.topk`` over the int64 keys needs the keys written first and a
+sixteen-pass radix select over them.
 Runs under ``TRITON_INTERPRET=1`` on CPU (how CI tests it).
 """
 
@@ -36,56 +39,110 @@ def _image(x):
     return order_preserving_bits(x).to(tl.int64) + 2147483648
 
 
+_NEG_INF_IMAGE: tl.constexpr = tl.constexpr(8388607)  # _image(-inf)
+
+
 @triton.jit
-def _radix_select_kernel(S, OUT, n, stride, K, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    src = S + row.to(tl.int64) * stride
-    bins = tl.arange(0, 256)
-    need = K                     # keys still to take from the bucket `prefix` (the k-th is among them)
-    prefix = tl.zeros([], tl.int64)  # the chosen high bytes of u
-    level = tl.full([], 32, tl.int32)  # bit position below the chosen bytes
-    done = K == 0
-    for p in tl.static_range(4):
-        if not done:
-            shift = 24 - 8 * p
-            hist = tl.zeros([256], tl.int32)
-            for start in range(0, n, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                inb = offs < n
-                u = _image(tl.load(src + offs, mask=inb, other=float("-inf")))
-                match = inb & ((u >> (shift + 8)) == prefix)
-                hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
-            at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
-            b = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
-            need -= tl.sum(tl.where(bins > b, hist, 0), 0)
-            prefix = (prefix << 8) | b.to(tl.int64)
-            level = tl.full([], shift, tl.int32)
-            done = tl.sum(tl.where(bins == b, hist, 0), 0) == need
-    taken = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for start in range(0, n, BLOCK):
+def _load_image(src, offs, inb, FROM_CANDIDATES: tl.constexpr):
+    """(image u, key index) of a tile: from the row's fp32 scores, or from the candidate list's
+    ``u << 32 | index`` entries."""
+    if FROM_CANDIDATES:
+        c = tl.load(src + offs, mask=inb, other=0)
+        u = (c >> 32) & 0xFFFFFFFF
+        idx = c & 0xFFFFFFFF
+    else:
+        u = _image(tl.load(src + offs, mask=inb, other=float("-inf")))
+        idx = offs.to(tl.int64)
+    return u, idx
+
+
+@triton.jit
+def _histogram(src, m, shift, prefix, BLOCK: tl.constexpr, FROM_CANDIDATES: tl.constexpr):
+    """256-bin histogram of byte ``shift`` of u over the entries whose bits above it equal ``prefix``."""
+    hist = tl.zeros([256], tl.int32)
+    for start in range(0, m, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        inb = offs < n
-        x = tl.load(src + offs, mask=inb, other=float("-inf"))
-        u = _image(x)
+        inb = offs < m
+        u, _ = _load_image(src, offs, inb, FROM_CANDIDATES)
+        match = inb & ((u >> (shift + 8)) == prefix)
+        hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
+    return hist
+
+
+@triton.jit
+def _choose(hist, need, prefix):
+    """The byte whose bucket holds the need-th largest: (prefix extended by it, keys still to take
+    from that bucket, the bucket's size)."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+    b = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
+    need = need - tl.sum(tl.where(bins > b, hist, 0), 0)
+    count = tl.sum(tl.where(bins == b, hist, 0), 0)
+    return (prefix << 8) | b.to(tl.int64), need, count
+
+
+@triton.jit
+def _emit(src, m, n, level, prefix, need, out, taken, cand, BLOCK: tl.constexpr, FROM_CANDIDATES: tl.constexpr,
+          COLLECT: tl.constexpr):
+    """Write, in key order, the keys of the entries whose ``u >> level`` is above ``prefix`` to
+    ``out[taken:]``, and those equal to it: with COLLECT all of them to the candidate list ``cand``,
+    else the first ``need``. Returns the new ``taken``."""
+    ties = tl.zeros([], tl.int32)
+    for start in range(0, m, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < m
+        u, idx = _load_image(src, offs, inb, FROM_CANDIDATES)
         hi = u >> level
         eq = inb & (hi == prefix)
         eq_i = eq.to(tl.int32)
-        tie_rank = ties + tl.cumsum(eq_i, 0) - eq_i
-        sel = (inb & (hi > prefix)) | (eq & (tie_rank < need))
+        rank = ties + tl.cumsum(eq_i, 0) - eq_i
+        if COLLECT:
+            sel = inb & (hi > prefix)
+            tl.store(cand + rank, (u << 32) | idx, mask=eq)
+        else:
+            sel = (inb & (hi > prefix)) | (eq & (rank < need))
         sel_i = sel.to(tl.int32)
         pos = taken + tl.cumsum(sel_i, 0) - sel_i
-        key = ((u - 2147483648) << 32) | (n - 1 - offs).to(tl.int64)
-        key = tl.where(x == float("-inf"), INVISIBLE_KEY, key)
-        tl.store(OUT + row.to(tl.int64) * K + pos, key, mask=sel)
+        key = ((u - 2147483648) << 32) | (n - 1 - idx)
+        key = tl.where(u == _NEG_INF_IMAGE, INVISIBLE_KEY, key)
+        tl.store(out + pos, key, mask=sel)
         taken += tl.sum(sel_i, 0)
         ties += tl.sum(eq_i, 0)
+    return taken
 
 
-def radix_topk(scores: torch.Tensor, topk: int, block: int = 2048) -> torch.Tensor:
+@triton.jit
+def _radix_select_kernel(S, OUT, CAND, n, stride, K, cap, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    src = S + row.to(tl.int64) * stride
+    out = OUT + row.to(tl.int64) * K
+    cand = CAND + row.to(tl.int64) * cap
+    need = K
+    prefix = tl.zeros([], tl.int64)
+    count = n
+    for p in tl.static_range(2):  # the high 16 bits of u, over the whole row
+        hist = _histogram(src, n, 24 - 8 * p, prefix, BLOCK, False)
+        prefix, need, count = _choose(hist, need, prefix)
+    if count <= cap:
+        # the keys above the bucket go out; the bucket's entries become the candidate list
+        taken = _emit(src, n, n, 16, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, True)
+        for p in tl.static_range(2):
+            hist = _histogram(cand, count, 8 - 8 * p, prefix, BLOCK, True)
+            prefix, need, _ = _choose(hist, need, prefix)
+        _emit(cand, count, n, 0, prefix, need, out, taken, cand, BLOCK, True, False)
+    else:  # a bucket wider than the list (ties by the thousand): two more passes over the row
+        for p in tl.static_range(2):
+            hist = _histogram(src, n, 8 - 8 * p, prefix, BLOCK, False)
+            prefix, need, _ = _choose(hist, need, prefix)
+        _emit(src, n, n, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, False)
+
+
+def radix_topk(scores: torch.Tensor, topk: int, block: int = 2048, candidates: int = 1024) -> torch.Tensor:
     """scores [C, n] fp32, -inf where invisible -> indices [C, topk] int32 (module docstring).
 
-    Workspace: ``C x min(topk, n)`` int64 keys; the scores are only read."""
+    Workspace: ``C x min(topk, n)`` int64 keys and ``C x candidates`` int64 candidate entries (a
+    row whose 16-bit bucket holds more entries than ``candidates`` makes two more passes over its
+    scores instead); the scores are only read."""
     if scores.dtype != torch.float32 or scores.dim() != 2:
         raise TypeError(f"radix_topk: scores must be 2-D float32, got {scores.dtype} {tuple(scores.shape)}")
     C, n = scores.shape
@@ -93,8 +150,10 @@ def radix_topk(scores: torch.Tensor, topk: int, block: int = 2048) -> torch.Tens
     keys = torch.empty(C, k, dtype=torch.int64, device=scores.device)
     if C and k:
         s = scores if scores.stride(-1) == 1 else scores.contiguous()
-        _radix_select_kernel[(C,)](s, keys, n, s.stride(0), k, BLOCK=min(block, triton.next_power_of_2(n)),
-                                   num_warps=8)
+        cap = max(1, min(candidates, n))
+        cand = torch.empty(C, cap, dtype=torch.int64, device=scores.device)
+        _radix_select_kernel[(C,)](s, keys, cand, n, s.stride(0), k, cap,
+                                   BLOCK=min(block, triton.next_power_of_2(n)), num_warps=8)
     vals = keys.sort(dim=-1, descending=True).values
     idx = torch.where(vals == INVISIBLE_KEY.value, torch.full_like(vals, PAD_INDEX), (n - 1) - (vals & 0xFFFFFFFF))
     idx = idx.to(torch.int32)
