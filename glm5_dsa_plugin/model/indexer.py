@@ -28,7 +28,8 @@ from ..ops.indexer.topk_keys import INVISIBLE_KEY
 from ..ops.reference import live_slot_columns
 
 __all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "deterministic_topk", "score_keys",
-           "INVISIBLE_KEY", "RADIX_MIN_KEYS", "topk_from_keys", "KEY_ORDER_MIN_KEYS", "slots_in_key_order", "topk_row_block", "select_topk", "check_topk",
+           "INVISIBLE_KEY", "RADIX_MIN_KEYS", "topk_from_keys", "KEY_ORDER_MIN_KEYS", "slots_in_key_order",
+           "topk_row_block", "select_topk", "check_topk",
            "selected_scores_reference", "selected_scores", "attention_target_reference", "attention_target",
            "indexer_kl_loss_from_target", "indexer_kl_loss", "computes_indices", "index_source_layer",
            "check_stage_layers"]
@@ -171,7 +172,6 @@ def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
     return idx
 
 
-
 # kv rows from which sparse MLA reads each row's top-k in key order (slots_in_key_order): past the
 # L2 (50 MB on H100 / H200) with the backward's fp32 dKV [T_kv, 576]; docs/kernels.md has the figures
 KEY_ORDER_MIN_KEYS = 32768
@@ -189,6 +189,7 @@ def slots_in_key_order(indices: torch.Tensor) -> torch.Tensor:
     unsigned order onto int32's, so the sort is one signed sort between two xors."""
     flip = torch.iinfo(torch.int32).min
     return torch.bitwise_xor(indices, flip).sort(dim=-1).values.bitwise_xor_(flip)
+
 
 # keys per row (the block's key prefix) from which a GPU block selects by the radix-select kernel
 # over fp32 scores instead of torch.topk over the int64 keys (docs/kernels.md has the crossover)
