@@ -128,6 +128,13 @@ def _layernorm_config(config):
     return c
 
 
+def _in_kernel_order(indices: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """The top-k [T, topk] as sparse MLA reads it: from ``indexer.KEY_ORDER_MIN_KEYS`` kv rows each
+    row's slots in key order (the same attention; the indexer loss keeps the top-k's order), else
+    as they are."""
+    return indexer.slots_in_key_order(indices) if n_kv >= indexer.KEY_ORDER_MIN_KEYS else indices
+
+
 class GLM5DSAttention(MegatronModule):
     """Sparse attention over the indexer's top-k, through ``glm5_dsa_plugin.ops.sparse_mla``.
 
@@ -303,20 +310,17 @@ class GLM5DSAttention(MegatronModule):
                     indices[replay.own_rows] = own if not replay.measure_overlap else own[replay.own_rows]
             if recorder is not None:
                 recorder.add(self.layer_number, indices, vis.qidx)
-            if self.topk_freq > 1:  # only kept when later layers reuse them (index sharing)
-                self.shared_topk.publish(carrier, indices)
+            att_idx = _in_kernel_order(indices, kv_att.shape[0])
+            if self.topk_freq > 1:  # kept when later layers reuse them (index sharing): the kernels' order
+                self.shared_topk.publish(carrier, att_idx)
             if want_loss:
                 index_logits = indexer.selected_scores(qi, ki, wi, indices, deterministic=deterministic)
         else:
-            indices = self.shared_topk.read(carrier, self.training, shared_carrier=carrier is self.config)
+            indices = att_idx = self.shared_topk.read(carrier, self.training, shared_carrier=carrier is self.config)
 
         G = kv_att.shape[1]
         # The indices come from our own top-k. With the guard on, validating them is free (read with
         # the guard's flag); with GLM5_DSA_NONFINITE=off the attention reads no device flag at all.
-        # at long T the slots in key order for the kernels (same attention; the loss keeps the top-k's)
-        att_idx = indices
-        if kv_att.shape[0] >= indexer.KEY_ORDER_MIN_KEYS:
-            att_idx = indexer.slots_in_key_order(indices)
         out, lse = sparse_mla(q_att, kv_att, att_idx[:, None, :].expand(-1, G, -1).contiguous(),
                             self.softmax_scale, d_v=d_v, backend=backend, validate=guard_policy() != "off",
                             deterministic=deterministic)  # [b*s, H, d_v]
