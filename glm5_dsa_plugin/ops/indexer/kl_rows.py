@@ -11,7 +11,8 @@ logits and target [T, K] fp32, idx [T, K] int32 (-1 padding); loss [T] fp32; gra
 d logits[t, j], written over ``target`` (each program reads its row before writing it). A row
 without a valid slot has loss 0 and grad 0. The same values, to fp32 rounding, as the PyTorch
 definition in :func:`glm5_dsa_plugin.model.indexer.indexer_kl_loss_from_target`, which makes a
-pass over [T, K] per elementwise step where this reads and writes each row once. Runs under ``TRITON_INTERPRET=1`` on CPU.
+pass over [T, K] per elementwise step where this reads and writes each row once. Runs under
+``TRITON_INTERPRET=1`` on CPU.
 """
 
 from __future__ import annotations
