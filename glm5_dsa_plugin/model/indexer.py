@@ -231,7 +231,7 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
         q, w = fp8_index.quantize_queries(q, w)
     elif precision != "bf16":
         raise ValueError(f"select_topk: precision must be 'bf16' or 'fp8', got {precision!r}")
-    use_triton = q.is_cuda and indexer_kernels.triton_available()
+    use_triton = _kernels_run_on(q)
     if chunk_rows:
         c = chunk_rows
     elif use_triton:
@@ -268,6 +268,11 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     if check:
         check_topk(out, vis)
     return out
+
+
+def _kernels_run_on(t: torch.Tensor) -> bool:
+    """Whether the indexer's Triton kernels take this tensor's work (CUDA, kernels not switched off)."""
+    return t.is_cuda and indexer_kernels.triton_available()
 
 
 def _kernel_or_none(kernel, *args, **kwargs):
@@ -341,7 +346,7 @@ def selected_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: 
     kernels compute it and its gradients without gathering [T, topk, Di]: dk accumulated in fp32
     atomics, or with ``deterministic`` in a fixed order (bitwise reproducible, a bounded
     workspace; see :mod:`glm5_dsa_plugin.ops.indexer.slot_scores`). On CPU: the PyTorch definition."""
-    if q.is_cuda and indexer_kernels.triton_available():
+    if _kernels_run_on(q):
         return _SelectedScores.apply(q, k, w, indices.to(torch.int32).contiguous(), bool(deterministic))
     return selected_scores_reference(q, k, w, indices)
 
@@ -384,7 +389,7 @@ def attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     """Head-summed attention probabilities at the selected slots, fp32 [T, K] (see
     :func:`attention_target_reference`). With the attention forward's ``lse`` [T, H] on CUDA a Triton
     kernel computes each slot's probabilities directly, exp(s - lse), streaming selected kv rows."""
-    if lse is not None and kv.dim() == 2 and query.is_cuda and indexer_kernels.triton_available():
+    if lse is not None and kv.dim() == 2 and _kernels_run_on(query):
         from ..ops.indexer.attention_target import head_prob_sum
 
         return head_prob_sum(query, kv, lse, indices.to(torch.int32).contiguous(), sm_scale)
@@ -406,7 +411,7 @@ class _IndexerKL(torch.autograd.Function):
     def forward(ctx, logits, target, indices, chunk_rows, eps):
         keep = ctx.needs_input_grad[0]
         total = None
-        if logits.is_cuda and indexer_kernels.triton_available():
+        if _kernels_run_on(logits):
             from ..ops.indexer import kl_rows
 
             rows = _kernel_or_none(kl_rows.kl_rows, logits, target, indices.to(torch.int32).contiguous(), eps)
