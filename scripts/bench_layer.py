@@ -234,16 +234,17 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     out["indexer"] = timed(indexer_proj, warmup, rep, device)
     out["topk"] = timed(lambda: indexer.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False), warmup, rep, device)
     idx = indexer.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False)
+    att_idx = indexer.attention_slot_order(idx, T)  # the slot order the layer's attention reads
     q = (torch.randn(T, H, dqk, device=device, generator=gen) * 0.5).to(x.dtype).requires_grad_(True)
     kv = (torch.randn(T, 1, dqk, device=device, generator=gen) * 0.5).to(x.dtype).requires_grad_(True)
     g = torch.randn(T, H, dv, device=device, generator=gen).to(x.dtype)
 
     def mla():
-        o, _ = sparse_mla(q, kv, idx[:, None], core.softmax_scale, d_v=dv, backend=core.backend, validate=False)
+        o, _ = sparse_mla(q, kv, att_idx[:, None], core.softmax_scale, d_v=dv, backend=core.backend, validate=False)
         o.backward(g)
     out["sparse_mla"] = timed(mla, warmup, rep, device)
     with torch.no_grad():
-        _, lse = sparse_mla(q, kv, idx[:, None], core.softmax_scale, d_v=dv, backend=core.backend, validate=False)
+        _, lse = sparse_mla(q, kv, att_idx[:, None], core.softmax_scale, d_v=dv, backend=core.backend, validate=False)
     qil, kil, wil = (t.detach().requires_grad_(True) for t in (qi, ki, wi))
 
     def loss():

@@ -128,13 +128,6 @@ def _layernorm_config(config):
     return c
 
 
-def _in_kernel_order(indices: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """The top-k [T, topk] as sparse MLA reads it: from ``indexer.KEY_ORDER_MIN_KEYS`` kv rows each
-    row's slots in key order (the same attention; the indexer loss keeps the top-k's order), else
-    as they are."""
-    return indexer.slots_in_key_order(indices) if n_kv >= indexer.KEY_ORDER_MIN_KEYS else indices
-
-
 class GLM5DSAttention(MegatronModule):
     """Sparse attention over the indexer's top-k, through ``glm5_dsa_plugin.ops.sparse_mla``.
 
@@ -310,7 +303,7 @@ class GLM5DSAttention(MegatronModule):
                     indices[replay.own_rows] = own if not replay.measure_overlap else own[replay.own_rows]
             if recorder is not None:
                 recorder.add(self.layer_number, indices, vis.qidx)
-            att_idx = _in_kernel_order(indices, kv_att.shape[0])
+            att_idx = indexer.attention_slot_order(indices, kv_att.shape[0])
             if self.topk_freq > 1:  # kept when later layers reuse them (index sharing): the kernels' order
                 self.shared_topk.publish(carrier, att_idx)
             if want_loss:

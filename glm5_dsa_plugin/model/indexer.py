@@ -29,6 +29,7 @@ from ..ops.reference import live_slot_columns
 
 __all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "deterministic_topk", "score_keys",
            "INVISIBLE_KEY", "RADIX_MIN_KEYS", "topk_from_keys", "KEY_ORDER_MIN_KEYS", "slots_in_key_order",
+           "attention_slot_order",
            "topk_row_block", "select_topk", "check_topk",
            "selected_scores_reference", "selected_scores", "attention_target_reference", "attention_target",
            "indexer_kl_loss_from_target", "indexer_kl_loss", "computes_indices", "index_source_layer",
@@ -189,6 +190,13 @@ def slots_in_key_order(indices: torch.Tensor) -> torch.Tensor:
     unsigned order onto int32's, so the sort is one signed sort between two xors."""
     flip = torch.iinfo(torch.int32).min
     return torch.bitwise_xor(indices, flip).sort(dim=-1).values.bitwise_xor_(flip)
+
+
+def attention_slot_order(indices: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """The top-k [T, topk] as sparse MLA reads it against ``n_kv`` kv rows: from
+    ``KEY_ORDER_MIN_KEYS`` kv rows each row's slots in key order (:func:`slots_in_key_order`, the
+    same attention), else as they are. The indexer loss keeps the top-k's own order."""
+    return slots_in_key_order(indices) if n_kv >= KEY_ORDER_MIN_KEYS else indices
 
 
 # keys per row (the block's key prefix) from which a GPU block selects by the radix-select kernel
