@@ -55,7 +55,7 @@ def _head_prob_sum_kernel(Q, KV, LSE, IDX, OUT, n_slots, scale_log2,
 
 
 def head_prob_sum(q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-                  block_slots: int = 64, block_d: int = 64) -> torch.Tensor:
+                  block_slots: int = 128, block_d: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """p [T, K] fp32 (see the module docstring). q [T, H, D], kv [T_kv, D], lse [T, H], indices [T, K] int32."""
     T, H, D = q.shape
     if kv.dim() != 2 or kv.shape[1] != D:
@@ -72,5 +72,5 @@ def head_prob_sum(q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, indices:
     grid = (T * triton.cdiv(n, block_slots),)
     _head_prob_sum_kernel[grid](q.contiguous(), kv.contiguous(), lse.float().contiguous(), indices.contiguous(), out,
                                 n, sm_scale * 1.4426950408889634, H=H, HP=HP, D=D, BD=block_d, BJ=block_slots,
-                                IEEE=q.dtype == torch.float32)
+                                IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -91,8 +91,9 @@ def _index_scores_kernel(Q, K, W, KSCALE, QSEQ, QPOS, QIDX, KSEQ, KPOS, OUT, T, 
 
 
 def masked_index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, query_seq, query_pos, query_index,
-                        key_seq, key_pos, block_t: int = 64, block_s: int = 64, keys: bool = False,
-                        key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        key_seq, key_pos, block_t: int = 64, block_s: int = 128, keys: bool = False,
+                        key_scale: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2
+                        ) -> torch.Tensor:
     """Scores [C, T_kv] fp32 for the query rows given (their seq / pos / packed index), -inf where invisible;
     with ``keys`` the int64 top-k keys instead (``INVISIBLE_KEY`` where invisible).
 
@@ -119,5 +120,5 @@ def masked_index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, query
                                key_scale.contiguous() if key_scale is not None else w, query_seq.contiguous(),
                                query_pos.contiguous(), query_index.contiguous(), key_seq.contiguous(),
                                key_pos.contiguous(), out, C, n, scale, HI=Hi, D=Di, BT=block_t, BS=block_s,
-                               KEYS=keys, FP8_DOT=fp8_dot)
+                               KEYS=keys, FP8_DOT=fp8_dot, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -137,7 +137,8 @@ def _radix_select_kernel(S, OUT, CAND, n, stride, K, cap, BLOCK: tl.constexpr):
         _emit(src, n, n, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, False)
 
 
-def radix_topk(scores: torch.Tensor, topk: int, block: int = 2048, candidates: int = 1024) -> torch.Tensor:
+def radix_topk(scores: torch.Tensor, topk: int, block: int = 1024, candidates: int = 1024, num_warps: int = 4
+               ) -> torch.Tensor:
     """scores [C, n] fp32, -inf where invisible -> indices [C, topk] int32 (module docstring).
 
     Workspace: ``C x min(topk, n)`` int64 keys and ``C x candidates`` int64 candidate entries (a
@@ -153,7 +154,7 @@ def radix_topk(scores: torch.Tensor, topk: int, block: int = 2048, candidates: i
         cap = max(1, min(candidates, n))
         cand = torch.empty(C, cap, dtype=torch.int64, device=scores.device)
         _radix_select_kernel[(C,)](s, keys, cand, n, s.stride(0), k, cap,
-                                   BLOCK=min(block, triton.next_power_of_2(n)), num_warps=8)
+                                   BLOCK=min(block, triton.next_power_of_2(n)), num_warps=num_warps)
     vals = keys.sort(dim=-1, descending=True).values
     idx = torch.where(vals == INVISIBLE_KEY.value, torch.full_like(vals, PAD_INDEX), (n - 1) - (vals & 0xFFFFFFFF))
     idx = idx.to(torch.int32)

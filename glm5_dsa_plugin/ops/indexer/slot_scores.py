@@ -130,8 +130,8 @@ def slot_scores_forward(q, k, w, indices, block_slots: int = 64) -> torch.Tensor
     return out
 
 
-def slot_scores_backward(q, k, w, indices, grad, block_slots: int = 64, deterministic: bool = False,
-                         workspace_bytes: int = 1 << 30):
+def slot_scores_backward(q, k, w, indices, grad, block_slots: int = 128, deterministic: bool = False,
+                         workspace_bytes: int = 1 << 30, num_warps: int = 4, num_stages: int = 3):
     """(dq [T, Hi, Di] fp32, dk [T_kv, Di] fp32, dw [T, Hi] fp32) for dL/dscore ``grad`` [T, K].
 
     ``deterministic``: dk summed in a fixed order (bitwise reproducible) through a workspace of at
@@ -144,7 +144,8 @@ def slot_scores_backward(q, k, w, indices, grad, block_slots: int = 64, determin
     if T == 0 or n == 0:
         return dq.zero_(), dk, dw.zero_()
     q, k, w, indices, grad = (x.contiguous() for x in (q, k, w, indices, grad.float()))
-    geometry = dict(HI=Hi, HP=HP, D=Di, BJ=block_slots, IEEE=q.dtype == torch.float32)
+    geometry = dict(HI=Hi, HP=HP, D=Di, BJ=block_slots, IEEE=q.dtype == torch.float32, num_warps=num_warps,
+                    num_stages=num_stages)
     if not deterministic:
         _slot_scores_bwd_kernel[(T,)](q, k, w, indices, grad, dq, dw, dk, Di ** -0.5, n, DK_PER_SLOT=False,
                                       **geometry)
