@@ -306,8 +306,8 @@ class GLM5DSAttention(MegatronModule):
             att_idx = indexer.attention_slot_order(indices, kv_att.shape[0])
             if self.topk_freq > 1:  # kept when later layers reuse them (index sharing): the kernels' order
                 self.shared_topk.publish(carrier, att_idx)
-            if want_loss:
-                index_logits = indexer.selected_scores(qi, ki, wi, indices, deterministic=deterministic)
+            if want_loss:  # in the attention's slot order: the loss does not depend on it, and no second copy is kept
+                index_logits = indexer.selected_scores(qi, ki, wi, att_idx, deterministic=deterministic)
         else:
             indices = att_idx = self.shared_topk.read(carrier, self.training, shared_carrier=carrier is self.config)
 
@@ -319,7 +319,7 @@ class GLM5DSAttention(MegatronModule):
                             deterministic=deterministic)  # [b*s, H, d_v]
         if index_logits is not None:
             kv_loss = kv_att[:, 0] if G == 1 else kv_att  # un-absorbed MLA: per-head keys
-            out = self._attach_indexer_loss(out, index_logits, q_att, kv_loss, indices, lse)
+            out = self._attach_indexer_loss(out, index_logits, q_att, kv_loss, att_idx, lse)
         if absorbed:
             out = value_up_projection(out, up_v_weight.to(out.dtype))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, H * v]

@@ -195,7 +195,8 @@ def slots_in_key_order(indices: torch.Tensor) -> torch.Tensor:
 def attention_slot_order(indices: torch.Tensor, n_kv: int) -> torch.Tensor:
     """The top-k [T, topk] as sparse MLA reads it against ``n_kv`` kv rows: from
     ``KEY_ORDER_MIN_KEYS`` kv rows each row's slots in key order (:func:`slots_in_key_order`, the
-    same attention), else as they are. The indexer loss keeps the top-k's own order."""
+    same attention), else as they are. The layer's indexer loss reads the same order (its value does
+    not depend on it), so one copy of the top-k is kept for the backward."""
     return slots_in_key_order(indices) if n_kv >= KEY_ORDER_MIN_KEYS else indices
 
 
