@@ -205,8 +205,10 @@ def layer_steps(lay, x, grad):
 
 
 def reset_index_holders(cfg):
-    for attr in ("_glm5_dsa_index_share_holder", "_dsa_index_share_topk_holder",
-                 "_dsa_index_share_topk_length_holder"):
+    from glm5_dsa_plugin.model import shared_topk
+
+    shared_topk.forget(cfg)
+    for attr in ("_dsa_index_share_topk_holder", "_dsa_index_share_topk_length_holder"):
         if hasattr(cfg, attr):
             delattr(cfg, attr)
 
@@ -257,6 +259,7 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
 def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
     """Ours vs megatron-core's layer as index-reusing layers handed the same top-k: output and grads."""
     from glm5_dsa_plugin.model import indexer
+    from glm5_dsa_plugin.model.shared_topk import SharedTopk
 
     cfgs = {impl: make_config(dims, layer, impl, device, reuse=True) for impl in ("ours", "mcore_sparse")}
     torch.manual_seed(0)
@@ -276,7 +279,7 @@ def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
     res = {}
     for name, lay, cfg in (("ours", ours, cfgs["ours"]), ("mcore", theirs, cfgs["mcore_sparse"])):
         reset_index_holders(cfg)
-        setattr(cfg, "_glm5_dsa_index_share_holder", {1: idx})
+        SharedTopk(1, 1).publish(cfg, idx)  # layer 1's top-k, as a computing layer writes it
         setattr(cfg, "_dsa_index_share_topk_holder", {1: idx[None]})
         lay.train()
         xx = x.clone().requires_grad_(True)

@@ -21,10 +21,17 @@ import torch
 
 from .micro_batch import NO_GRAD_TRAINING_HINT, RecomputeCheck, graph_task, state
 
-__all__ = ["HOLDER_ATTR", "SharedTopk", "StaleMicroBatchStateError"]
+__all__ = ["HOLDER_ATTR", "SharedTopk", "StaleMicroBatchStateError", "forget"]
 
 HOLDER_ATTR = "_glm5_dsa_index_share_holder"  # {layer: top-k} on the carrier
 _STAMPS_ATTR = "_glm5_dsa_index_share_stamps"  # {layer: (serial, graph task) of its last write}
+
+
+def forget(carrier) -> None:
+    """Drop every top-k (and its write stamps) kept on ``carrier``."""
+    for attr in (HOLDER_ATTR, _STAMPS_ATTR):
+        if hasattr(carrier, attr):
+            delattr(carrier, attr)
 
 
 class StaleMicroBatchStateError(RuntimeError):

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from tests.megatron_cpu import megatron_single_process  # noqa: F401  (fixture)
+
 pytest.importorskip("torch")
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_layer.py")
 _spec = importlib.util.spec_from_file_location("bench_layer", _PATH)
@@ -39,3 +41,12 @@ def test_table_quotes_te_rows_against_megatron_core_on_te():
     cells = [c.strip() for c in table[2].strip("|").split("|")]
     assert cells[6] == "3.00x" and cells[-1] == "4.00x"  # 90 / 30 (local), 100 / 25 (TE)
     assert [c.strip() for c in table[3].strip("|").split("|")][3] == "-"
+
+
+def test_same_indices_check_matches_megatron_cores_layer_on_cpu(megatron_single_process):
+    """The benchmark's check (tiny widths, fp32 math in bf16 storage on CPU): ours and megatron-core's
+    DSA layer as index-reusing layers handed the same top-k agree in output and every gradient."""
+    for layer in ("dense", "moe"):
+        res = bench_layer.check_same_indices(bench_layer.TINY, layer, 64, "cpu")
+        assert res["params_only_one_side"] == [] and res["params_compared"] >= 11, res
+        assert res["out_rel"] < 5e-3 and res["dx_rel"] < 5e-3 and res["worst_param_grad_rel"] < 2e-2, res
