@@ -234,9 +234,10 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
         a, b, c = core.indexer.qkw(xs, qr, vis.query_pos)
         (a.float().sum() + b.float().sum() + c.float().sum()).backward()
     out["indexer"] = timed(indexer_proj, warmup, rep, device)
-    out["topk"] = timed(lambda: indexer.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False), warmup, rep, device)
-    idx = indexer.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False)
-    att_idx = indexer.attention_slot_order(idx, T)  # the slot order the layer's attention reads
+    key_order = indexer.reads_key_order(T)  # the slot order the layer's attention and loss read
+    out["topk"] = timed(lambda: indexer.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False,
+                                                    key_order=key_order), warmup, rep, device)
+    att_idx = indexer.select_topk(qi, ki, wi, core.indexer.topk, vis, check=False, key_order=key_order)
     q = (torch.randn(T, H, dqk, device=device, generator=gen) * 0.5).to(x.dtype).requires_grad_(True)
     kv = (torch.randn(T, 1, dqk, device=device, generator=gen) * 0.5).to(x.dtype).requires_grad_(True)
     g = torch.randn(T, H, dv, device=device, generator=gen).to(x.dtype)
@@ -250,8 +251,9 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     qil, kil, wil = (t.detach().requires_grad_(True) for t in (qi, ki, wi))
 
     def loss():
-        logits = indexer.selected_scores(qil, kil, wil, idx)
-        indexer.indexer_kl_loss(logits, q.detach(), kv.detach()[:, 0], idx, core.softmax_scale, 1e-3, lse=lse).backward()
+        logits = indexer.selected_scores(qil, kil, wil, att_idx)
+        indexer.indexer_kl_loss(logits, q.detach(), kv.detach()[:, 0], att_idx, core.softmax_scale, 1e-3,
+                                lse=lse).backward()
     out["indexer_loss"] = timed(loss, warmup, rep, device)
     return out
 

@@ -102,11 +102,14 @@ class GLM5DSAIndexer(MegatronModule):
         k = indexer.apply_rope_first(k.view(T, 1, self.head_dim), cos, sin, self.rope_interleaved)[:, 0]
         return q, k, w * self.n_heads**-0.5
 
-    def select_topk(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, vis: indexer.Visibility) -> torch.Tensor:
+    def select_topk(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, vis: indexer.Visibility,
+                    key_order: bool = False) -> torch.Tensor:
         """Top-k indices [T, topk] of the indexer scores: bf16 / fp32 (:func:`indexer.select_topk`), or with
         ``dsa_indexer_precision="fp8"`` the FP8 scores of the rollout engines (Hadamard, e4m3, UE8M0
-        scales); both highest first, ties to the lower key index, -1 last."""
-        return indexer.select_topk(q, k, w, self.topk, vis, check=False, precision=self.precision)
+        scales); both highest first, ties to the lower key index, -1 last, or with ``key_order`` each
+        row's same entries in key order."""
+        return indexer.select_topk(q, k, w, self.topk, vis, check=False, precision=self.precision,
+                                   key_order=key_order)
 
     def _k_norm(self, k: torch.Tensor) -> torch.Tensor:
         """LayerNorm of the indexer key; on fp32 inputs (result cast back) with ``dsa_indexer_k_norm_fp32``."""
@@ -288,8 +291,9 @@ class GLM5DSAttention(MegatronModule):
                 qi, ki, wi = self.indexer.qkw(xs.detach(), qrs.detach(), vis.query_pos)
                 if cp_shard is not None:  # CP: the indexer keys of the whole sequence set
                     ki = cp_shard.gather(ki)
-            if own_all:
-                indices = self.indexer.select_topk(qi.detach(), ki.detach(), wi.detach(), vis)
+            key_order = indexer.reads_key_order(kv_att.shape[0])
+            if own_all:  # selected in the attention's slot order (below)
+                indices = self.indexer.select_topk(qi.detach(), ki.detach(), wi.detach(), vis, key_order=key_order)
             if replayed is not None:
                 if replay.measure_overlap:
                     replay.record_overlap(self.layer_number, replayed, indices)
@@ -303,7 +307,7 @@ class GLM5DSAttention(MegatronModule):
                     indices[replay.own_rows] = own if not replay.measure_overlap else own[replay.own_rows]
             if recorder is not None:
                 recorder.add(self.layer_number, indices, vis.qidx)
-            att_idx = indexer.attention_slot_order(indices, kv_att.shape[0])
+            att_idx = indices if replayed is None else indexer.attention_slot_order(indices, kv_att.shape[0])
             if self.topk_freq > 1:  # kept when later layers reuse them (index sharing): the kernels' order
                 self.shared_topk.publish(carrier, att_idx)
             if want_loss:  # in the attention's slot order: the loss does not depend on it, and no second copy is kept

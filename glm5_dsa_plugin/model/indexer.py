@@ -29,8 +29,7 @@ from ..ops.reference import live_slot_columns
 
 __all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "deterministic_topk", "score_keys",
            "INVISIBLE_KEY", "RADIX_MIN_KEYS", "topk_from_keys", "KEY_ORDER_MIN_KEYS", "slots_in_key_order",
-           "attention_slot_order",
-           "topk_row_block", "select_topk", "check_topk",
+           "reads_key_order", "attention_slot_order", "topk_row_block", "select_topk", "check_topk",
            "selected_scores_reference", "selected_scores", "attention_target_reference", "attention_target",
            "indexer_kl_loss_from_target", "indexer_kl_loss", "computes_indices", "index_source_layer",
            "check_stage_layers"]
@@ -192,12 +191,19 @@ def slots_in_key_order(indices: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_xor(indices, flip).sort(dim=-1).values.bitwise_xor_(flip)
 
 
+def reads_key_order(n_kv: int) -> bool:
+    """Whether sparse MLA reads each row's slots in key order against ``n_kv`` kv rows
+    (from ``KEY_ORDER_MIN_KEYS``)."""
+    return n_kv >= KEY_ORDER_MIN_KEYS
+
+
 def attention_slot_order(indices: torch.Tensor, n_kv: int) -> torch.Tensor:
     """The top-k [T, topk] as sparse MLA reads it against ``n_kv`` kv rows: from
     ``KEY_ORDER_MIN_KEYS`` kv rows each row's slots in key order (:func:`slots_in_key_order`, the
     same attention), else as they are. The layer's indexer loss reads the same order (its value does
-    not depend on it), so one copy of the top-k is kept for the backward."""
-    return slots_in_key_order(indices) if n_kv >= KEY_ORDER_MIN_KEYS else indices
+    not depend on it), so one copy of the top-k is kept for the backward. A top-k the layer selects
+    itself comes in this order from ``select_topk(..., key_order=reads_key_order(n_kv))``."""
+    return slots_in_key_order(indices) if reads_key_order(n_kv) else indices
 
 
 # keys per row (the block's key prefix) from which a GPU block selects by the radix-select kernel
@@ -214,13 +220,16 @@ def topk_row_block(n_keys: int) -> int:
 
 
 def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vis: Visibility,
-                chunk_rows: int | None = None, check: bool = True, precision: str = "bf16") -> torch.Tensor:
+                chunk_rows: int | None = None, check: bool = True, precision: str = "bf16",
+                key_order: bool = False) -> torch.Tensor:
     """Indices [T, topk] int32 in packed kv coordinates, chunked over query rows.
 
     :func:`deterministic_topk` of the masked scores (highest score first, ties to the lower key
     index, -1 last), the keys fused into the score kernel on a GPU; a block whose key prefix reaches
     ``RADIX_MIN_KEYS`` is selected from fp32 scores by the radix-select kernel
-    (:mod:`glm5_dsa_plugin.ops.indexer.radix_topk`) instead, in the same order.
+    (:mod:`glm5_dsa_plugin.ops.indexer.radix_topk`) instead, in the same order. With ``key_order``
+    the same entries in :func:`slots_in_key_order`'s order (what sparse MLA reads at long T): the
+    radix select then skips its score-order sort, and each block is sorted once, by key.
     ``precision="fp8"`` scores as the rollout engines do
     (:func:`glm5_dsa_plugin.ops.indexer.fp8_index.fp8_index_scores`: Hadamard rotation, e4m3 with
     UE8M0 scales, q and k quantised once), on the same kernels and in the same order. Every emitted
@@ -265,15 +274,17 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
                                        vis.key_pos[:m], keys=not radix,
                                        key_scale=None if key_scale is None else key_scale[:m])
                 if keys is not None and radix:
-                    sel = _kernel_or_none(radix_topk.radix_topk, keys, topk)
-                    out[t0:t1] = sel if sel is not None else deterministic_topk(keys, topk)
+                    sel = _kernel_or_none(radix_topk.radix_topk, keys, topk, ordered=not key_order)
+                    sel = sel if sel is not None else deterministic_topk(keys, topk)
+                    out[t0:t1] = slots_in_key_order(sel) if key_order else sel
                     continue
             if keys is None:
                 sc = (index_scores(q[t0:t1], k[:m], w[t0:t1]) if key_scale is None
                       else fp8_index.fp8_index(q[t0:t1], w[t0:t1], k[:m], key_scale[:m]))
                 keys = score_keys(sc.masked_fill(~vis.mask(slice(t0, t1))[:, :m], float("-inf")))
-            out[t0:t1] = topk_from_keys(keys, topk)
-            del keys
+            sel = topk_from_keys(keys, topk)
+            out[t0:t1] = slots_in_key_order(sel) if key_order else sel
+            del keys, sel
     if check:
         check_topk(out, vis)
     return out

@@ -190,6 +190,23 @@ def test_thd_three_sequences_never_cross():
     assert int((idx[:5] >= 0).sum(-1).max()) == 5  # short sequence padded with -1
 
 
+def test_select_topk_in_key_order_holds_the_same_entries_sorted_by_key():
+    """``key_order=True``: each row's entries of the score-ordered top-k, valid keys ascending, -1
+    last; over several row blocks, three packed sequences and rows with fewer visible keys than k."""
+    torch.manual_seed(4)
+    cu = torch.tensor([0, 3, 17, 30])
+    T, Hi, Di, K = 30, 3, 16, 8
+    q, k, w = torch.randn(T, Hi, Di), torch.randn(T, Di), torch.randn(T, Hi)
+    vis = indexer.Visibility.from_cu_seqlens(cu)
+    ranked = indexer.select_topk(q, k, w, K, vis)
+    for chunk in (None, 7):
+        got = indexer.select_topk(q, k, w, K, vis, chunk_rows=chunk, key_order=True)
+        want = torch.sort(torch.where(ranked >= 0, ranked, T), dim=-1).values  # -1 as T: last
+        assert torch.equal(got, torch.where(want == T, -1, want).to(torch.int32)), chunk
+        assert not torch.equal(got, ranked)  # the orders differ here
+    assert (got[:3] == -1).sum(-1).tolist() == [7, 6, 5]
+
+
 def test_context_parallel_split_agrees_with_full():
     """megatron-core allgather CP layout, cp=2: rank r holds chunks r and 2*cp-1-r of each
     sequence; its queries against the all-gathered keys (natural order) give the same indices."""

@@ -23,6 +23,10 @@ def check(scores, k, block=64):
     for candidates in (1024, 2):
         got = radix_topk(scores, k, block=block, candidates=candidates)
         assert torch.equal(got, want), (k, block, candidates, got, want)
+        # unordered: the same entries, -1 included, in any order
+        loose = radix_topk(scores, k, block=block, candidates=candidates, ordered=False)
+        assert loose.dtype == torch.int32 and loose.shape == want.shape
+        assert torch.equal(loose.sort(-1).values, want.sort(-1).values), (k, block, candidates, loose, want)
 
 g = torch.Generator().manual_seed(0)
 C, n = 6, 300

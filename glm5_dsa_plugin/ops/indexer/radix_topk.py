@@ -4,7 +4,9 @@
 
 The result equals ``topk_from_keys(score_keys(scores), topk)`` of
 :mod:`glm5_dsa_plugin.model.indexer` bit for bit: highest score first, equal scores to the lower
-key index, ``-1`` (invisible or missing keys) last.
+key index, ``-1`` (invisible or missing keys) last. With ``ordered=False`` each row holds the same
+entries in no particular order (for a caller that sorts them by key, as the attention does at long
+T): the kernel writes int32 indices and the int64 keys and their sort are skipped.
 
 Method, one program per row. Each score maps to its order-preserving 32-bit image ``u`` (the
 same image as ``score_keys``'s high half, offset to unsigned). Two passes over the row build
@@ -15,9 +17,9 @@ list; two histogram passes and a last select over the candidates (about a hundre
 real scores) settle the low bytes and take the lowest-index entries at the k-th image. A bucket
 larger than the list (thousands of ties) takes the same two histograms and the select over the
 row instead. The output holds the int64 keys of ``score_keys``; one sort of those ``[C, k]``
-keys gives the order. The row is read three or five times and nothing of size ``C x n`` is
-written, where ``torch.topk`` over the int64 keys needs the keys written first and a
-sixteen-pass radix select over them.
+keys gives the order (unless ``ordered=False``). The row is read three or five times and
+nothing of size ``C x n`` is written, where ``torch.topk`` over the int64 keys needs the keys
+written first and a sixteen-pass radix select over them.
 Runs under ``TRITON_INTERPRET=1`` on CPU (how CI tests it).
 """
 
@@ -83,10 +85,10 @@ def _choose(hist, need, prefix):
 
 @triton.jit
 def _emit(src, m, n, level, prefix, need, out, taken, cand, BLOCK: tl.constexpr, FROM_CANDIDATES: tl.constexpr,
-          COLLECT: tl.constexpr):
-    """Write, in key order, the keys of the entries whose ``u >> level`` is above ``prefix`` to
-    ``out[taken:]``, and those equal to it: with COLLECT all of them to the candidate list ``cand``,
-    else the first ``need``. Returns the new ``taken``."""
+          COLLECT: tl.constexpr, KEYS: tl.constexpr):
+    """Write, in key order, the keys (KEYS) or int32 indices (-1 where invisible) of the entries
+    whose ``u >> level`` is above ``prefix`` to ``out[taken:]``, and those equal to it: with COLLECT
+    all of them to the candidate list ``cand``, else the first ``need``. Returns the new ``taken``."""
     ties = tl.zeros([], tl.int32)
     for start in range(0, m, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -103,16 +105,18 @@ def _emit(src, m, n, level, prefix, need, out, taken, cand, BLOCK: tl.constexpr,
             sel = (inb & (hi > prefix)) | (eq & (rank < need))
         sel_i = sel.to(tl.int32)
         pos = taken + tl.cumsum(sel_i, 0) - sel_i
-        key = ((u - 2147483648) << 32) | (n - 1 - idx)
-        key = tl.where(u == _NEG_INF_IMAGE, INVISIBLE_KEY, key)
-        tl.store(out + pos, key, mask=sel)
+        if KEYS:
+            val = tl.where(u == _NEG_INF_IMAGE, INVISIBLE_KEY, ((u - 2147483648) << 32) | (n - 1 - idx))
+        else:
+            val = tl.where(u == _NEG_INF_IMAGE, -1, idx).to(tl.int32)
+        tl.store(out + pos, val, mask=sel)
         taken += tl.sum(sel_i, 0)
         ties += tl.sum(eq_i, 0)
     return taken
 
 
 @triton.jit
-def _radix_select_kernel(S, OUT, CAND, n, stride, K, cap, BLOCK: tl.constexpr):
+def _radix_select_kernel(S, OUT, CAND, n, stride, K, cap, BLOCK: tl.constexpr, KEYS: tl.constexpr):
     row = tl.program_id(0)
     src = S + row.to(tl.int64) * stride
     out = OUT + row.to(tl.int64) * K
@@ -125,21 +129,22 @@ def _radix_select_kernel(S, OUT, CAND, n, stride, K, cap, BLOCK: tl.constexpr):
         prefix, need, count = _choose(hist, need, prefix)
     if count <= cap:
         # the keys above the bucket go out; the bucket's entries become the candidate list
-        taken = _emit(src, n, n, 16, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, True)
+        taken = _emit(src, n, n, 16, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, True, KEYS)
         for p in tl.static_range(2):
             hist = _histogram(cand, count, 8 - 8 * p, prefix, BLOCK, True)
             prefix, need, _ = _choose(hist, need, prefix)
-        _emit(cand, count, n, 0, prefix, need, out, taken, cand, BLOCK, True, False)
+        _emit(cand, count, n, 0, prefix, need, out, taken, cand, BLOCK, True, False, KEYS)
     else:  # a bucket wider than the list (ties by the thousand): two more passes over the row
         for p in tl.static_range(2):
             hist = _histogram(src, n, 8 - 8 * p, prefix, BLOCK, False)
             prefix, need, _ = _choose(hist, need, prefix)
-        _emit(src, n, n, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, False)
+        _emit(src, n, n, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, False, KEYS)
 
 
-def radix_topk(scores: torch.Tensor, topk: int, block: int = 1024, candidates: int = 1024, num_warps: int = 4
-               ) -> torch.Tensor:
-    """scores [C, n] fp32, -inf where invisible -> indices [C, topk] int32 (module docstring).
+def radix_topk(scores: torch.Tensor, topk: int, block: int = 1024, candidates: int = 1024, num_warps: int = 4,
+               ordered: bool = True) -> torch.Tensor:
+    """scores [C, n] fp32, -inf where invisible -> indices [C, topk] int32 (module docstring); with
+    ``ordered=False`` each row's same entries in no particular order.
 
     Workspace: ``C x min(topk, n)`` int64 keys and ``C x candidates`` int64 candidate entries (a
     row whose 16-bit bucket holds more entries than ``candidates`` makes two more passes over its
@@ -148,16 +153,19 @@ def radix_topk(scores: torch.Tensor, topk: int, block: int = 1024, candidates: i
         raise TypeError(f"radix_topk: scores must be 2-D float32, got {scores.dtype} {tuple(scores.shape)}")
     C, n = scores.shape
     k = min(topk, n)
-    keys = torch.empty(C, k, dtype=torch.int64, device=scores.device)
+    out = torch.empty(C, k, dtype=torch.int64 if ordered else torch.int32, device=scores.device)
     if C and k:
         s = scores if scores.stride(-1) == 1 else scores.contiguous()
         cap = max(1, min(candidates, n))
         cand = torch.empty(C, cap, dtype=torch.int64, device=scores.device)
-        _radix_select_kernel[(C,)](s, keys, cand, n, s.stride(0), k, cap,
-                                   BLOCK=min(block, triton.next_power_of_2(n)), num_warps=num_warps)
-    vals = keys.sort(dim=-1, descending=True).values
-    idx = torch.where(vals == INVISIBLE_KEY.value, torch.full_like(vals, PAD_INDEX), (n - 1) - (vals & 0xFFFFFFFF))
-    idx = idx.to(torch.int32)
+        _radix_select_kernel[(C,)](s, out, cand, n, s.stride(0), k, cap,
+                                   BLOCK=min(block, triton.next_power_of_2(n)), KEYS=ordered, num_warps=num_warps)
+    if ordered:
+        vals = out.sort(dim=-1, descending=True).values
+        idx = torch.where(vals == INVISIBLE_KEY.value, torch.full_like(vals, PAD_INDEX), (n - 1) - (vals & 0xFFFFFFFF))
+        idx = idx.to(torch.int32)
+    else:
+        idx = out
     if topk > k:
         idx = torch.nn.functional.pad(idx, (0, topk - k), value=PAD_INDEX)
     return idx
