@@ -172,9 +172,10 @@ def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
     return idx
 
 
-# kv rows from which sparse MLA reads each row's top-k in key order (slots_in_key_order): past the
-# L2 (50 MB on H100 / H200) with the backward's fp32 dKV [T_kv, 576]; docs/kernels.md has the figures
-KEY_ORDER_MIN_KEYS = 32768
+# kv rows from which sparse MLA reads each row's top-k in key order (slots_in_key_order): at 64K the
+# backward's fp32 dKV [T_kv, 576] atomics stay in L2; at 16K the top-k selected in key order skips
+# the radix select's int64 sort; docs/kernels.md has the figures
+KEY_ORDER_MIN_KEYS = 16384
 
 
 def slots_in_key_order(indices: torch.Tensor) -> torch.Tensor:
