@@ -161,11 +161,12 @@ def score_keys(scores: torch.Tensor) -> torch.Tensor:
     return keys.masked_fill(scores == float("-inf"), INVISIBLE_KEY)
 
 
-def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
-    """keys [C, T_kv] int64 from :func:`score_keys` -> indices [C, topk] int32, highest first, -1 last."""
+def topk_from_keys(keys: torch.Tensor, topk: int, ordered: bool = True) -> torch.Tensor:
+    """keys [C, T_kv] int64 from :func:`score_keys` -> indices [C, topk] int32, highest first, -1 last;
+    with ``ordered=False`` each row's same entries in no particular order (-1 where invisible)."""
     C, n = keys.shape
     k_eff = min(topk, n)
-    vals, idx = keys.topk(k_eff, dim=-1, sorted=True)
+    vals, idx = keys.topk(k_eff, dim=-1, sorted=ordered)
     idx = torch.where(vals == INVISIBLE_KEY, torch.full_like(idx, PAD_INDEX), idx).to(torch.int32)
     if topk > k_eff:
         idx = torch.nn.functional.pad(idx, (0, topk - k_eff), value=PAD_INDEX)
@@ -230,7 +231,8 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     ``RADIX_MIN_KEYS`` is selected from fp32 scores by the radix-select kernel
     (:mod:`glm5_dsa_plugin.ops.indexer.radix_topk`) instead, in the same order. With ``key_order``
     the same entries in :func:`slots_in_key_order`'s order (what sparse MLA reads at long T): the
-    radix select then skips its score-order sort, and each block is sorted once, by key.
+    radix select and ``torch.topk`` then skip their score-order sort, and each block is sorted
+    once, by key.
     ``precision="fp8"`` scores as the rollout engines do
     (:func:`glm5_dsa_plugin.ops.indexer.fp8_index.fp8_index_scores`: Hadamard rotation, e4m3 with
     UE8M0 scales, q and k quantised once), on the same kernels and in the same order. Every emitted
@@ -283,7 +285,7 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
                 sc = (index_scores(q[t0:t1], k[:m], w[t0:t1]) if key_scale is None
                       else fp8_index.fp8_index(q[t0:t1], w[t0:t1], k[:m], key_scale[:m]))
                 keys = score_keys(sc.masked_fill(~vis.mask(slice(t0, t1))[:, :m], float("-inf")))
-            sel = topk_from_keys(keys, topk)
+            sel = topk_from_keys(keys, topk, ordered=not key_order)
             out[t0:t1] = slots_in_key_order(sel) if key_order else sel
             del keys, sel
     if check:
