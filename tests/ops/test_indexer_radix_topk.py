@@ -17,16 +17,18 @@ def stable_sort_topk(scores, k):
     idx = torch.where(vals[:, :k] == float("-inf"), -1, order[:, :k]).to(torch.int32)
     return torch.nn.functional.pad(idx, (0, max(0, k - n)), value=-1)
 
-def check(scores, k, block=64):
+def check(scores, k, block=64, strides=(8, 1)):
     want = stable_sort_topk(scores, k)
-    # a candidate list wider than any bucket, and one of 2 entries (most rows take the row passes)
+    # a candidate list wider than any bucket, and one of 2 entries (most rows take the row passes);
+    # the sampled threshold (stride 8) and the full passes alone (stride 1)
     for candidates in (1024, 2):
-        got = radix_topk(scores, k, block=block, candidates=candidates)
-        assert torch.equal(got, want), (k, block, candidates, got, want)
-        # unordered: the same entries, -1 included, in any order
-        loose = radix_topk(scores, k, block=block, candidates=candidates, ordered=False)
-        assert loose.dtype == torch.int32 and loose.shape == want.shape
-        assert torch.equal(loose.sort(-1).values, want.sort(-1).values), (k, block, candidates, loose, want)
+        for stride in strides:
+            got = radix_topk(scores, k, block=block, candidates=candidates, sample_stride=stride)
+            assert torch.equal(got, want), (k, block, candidates, stride, got, want)
+            # unordered: the same entries, -1 included, in any order
+            loose = radix_topk(scores, k, block=block, candidates=candidates, ordered=False, sample_stride=stride)
+            assert loose.dtype == torch.int32 and loose.shape == want.shape
+            assert torch.equal(loose.sort(-1).values, want.sort(-1).values), (k, block, candidates, stride, loose, want)
 
 g = torch.Generator().manual_seed(0)
 C, n = 6, 300
@@ -46,6 +48,16 @@ check(torch.tensor([[float("inf"), 3.0, -float("inf"), 3.0, 2.0, -7.5]]), 3, blo
 close = 1.0 + torch.arange(n) * 1.2e-7
 check(close[None, :].repeat(C, 1), 33)
 check(close[torch.randperm(n, generator=g)][None, :], 33)
+# wider rows, where the sampled list holds the top-k (stride 8 and 3)
+wide = torch.randn(3, 4096, generator=g)
+check(wide, 64, block=256, strides=(8, 3))
+check(wide, 700, block=256, strides=(8, 3))
+# a misleading sample: the sampled positions (multiples of 8) hold the row's lowest scores (the
+# list would take nearly every entry) or its highest (the list holds fewer than k): both rows
+# must fall back to the full passes and still equal the sort
+low = wide.clone(); low[:, ::8] = -10.0 - torch.rand(3, 512, generator=g)
+high = wide.clone(); high[:, ::8] = 10.0 + torch.rand(3, 512, generator=g)
+check(low, 64, block=256); check(high, 64, block=256); check(high, 700, block=256)
 print("OK")
 """
 

@@ -9,15 +9,27 @@ entries in no particular order (for a caller that sorts them by key, as the atte
 T): the kernel writes int32 indices and the int64 keys and their sort are skipped.
 
 Method, one program per row. Each score maps to its order-preserving 32-bit image ``u`` (the
-same image as ``score_keys``'s high half, offset to unsigned). Two passes over the row build
-256-bin histograms of u's top two bytes (the second among the entries matching the first) and
-choose the bytes whose bucket holds the k-th largest image. A third pass writes every key above
-that 16-bit bucket to the output and the bucket's entries, in key order, to a per-row candidate
-list; two histogram passes and a last select over the candidates (about a hundred entries on
-real scores) settle the low bytes and take the lowest-index entries at the k-th image. A bucket
-larger than the list (thousands of ties) takes the same two histograms and the select over the
-row instead. The output holds the int64 keys of ``score_keys``; one sort of those ``[C, k]``
-keys gives the order (unless ``ordered=False``). The row is read three or five times and
+same image as ``score_keys``'s high half, offset to unsigned).
+
+Sampled threshold (``sample_stride`` s > 1): two 256-bin histogram passes over every s-th entry
+of the row choose the 16-bit bucket holding the sample's ``r``-th largest image, ``r`` a quarter
+above ``topk / s``; one pass over the row then writes every entry at or above that bucket's lower
+edge, in key order, to a per-row candidate list (about ``1.3 x topk`` entries on real scores). When
+that list holds at least ``topk`` entries and fits, the top-k is among them and is settled there:
+four histogram passes and a last select over the list, taking the lowest-index entries at the
+k-th image. Otherwise (a sample that misleads, or a row with fewer visible keys than the list
+needs) the row falls back to the full passes below, so the result never depends on the sample.
+
+Full passes: two passes over the row build 256-bin histograms of u's top two bytes (the second
+among the entries matching the first) and choose the bytes whose bucket holds the k-th largest
+image. A third pass writes every key above that 16-bit bucket to the output and the bucket's
+entries, in key order, to the candidate list; two histogram passes and a last select over the
+candidates (about a hundred entries on real scores) settle the low bytes. A bucket larger than the
+list (thousands of ties) takes the same two histograms and the select over the row instead.
+
+The output holds the int64 keys of ``score_keys``; one sort of those ``[C, k]`` keys gives the
+order (unless ``ordered=False``). The row's entries go through the histogram instructions once
+on the sampled path (1 / s of them twice, then the list), three or five times otherwise, and
 nothing of size ``C x n`` is written, where ``torch.topk`` over the int64 keys needs the keys
 written first and a sixteen-pass radix select over them.
 Runs under ``TRITON_INTERPRET=1`` on CPU (how CI tests it).
@@ -59,11 +71,12 @@ def _load_image(src, offs, inb, FROM_CANDIDATES: tl.constexpr):
 
 
 @triton.jit
-def _histogram(src, m, shift, prefix, BLOCK: tl.constexpr, FROM_CANDIDATES: tl.constexpr):
-    """256-bin histogram of byte ``shift`` of u over the entries whose bits above it equal ``prefix``."""
+def _histogram(src, m, shift, prefix, BLOCK: tl.constexpr, FROM_CANDIDATES: tl.constexpr, STRIDE: tl.constexpr = 1):
+    """256-bin histogram of byte ``shift`` of u over the entries whose bits above it equal ``prefix``,
+    among every ``STRIDE``-th of the first ``m``."""
     hist = tl.zeros([256], tl.int32)
-    for start in range(0, m, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    for start in range(0, tl.cdiv(m, STRIDE), BLOCK):
+        offs = (start + tl.arange(0, BLOCK)) * STRIDE
         inb = offs < m
         u, _ = _load_image(src, offs, inb, FROM_CANDIDATES)
         match = inb & ((u >> (shift + 8)) == prefix)
@@ -116,11 +129,24 @@ def _emit(src, m, n, level, prefix, need, out, taken, cand, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _radix_select_kernel(S, OUT, CAND, n, stride, K, cap, BLOCK: tl.constexpr, KEYS: tl.constexpr):
-    row = tl.program_id(0)
-    src = S + row.to(tl.int64) * stride
-    out = OUT + row.to(tl.int64) * K
-    cand = CAND + row.to(tl.int64) * cap
+def _collect(src, n, lo, cand, cap, BLOCK: tl.constexpr):
+    """Write, in key order, the row's entries with ``u >= lo`` to the candidate list (the first
+    ``cap`` of them); return how many there are."""
+    count = tl.zeros([], tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < n
+        u, idx = _load_image(src, offs, inb, False)
+        sel_i = (inb & (u >= lo)).to(tl.int32)
+        rank = count + tl.cumsum(sel_i, 0) - sel_i
+        tl.store(cand + rank, (u << 32) | idx, mask=(sel_i != 0) & (rank < cap))
+        count += tl.sum(sel_i, 0)
+    return count
+
+
+@triton.jit
+def _full_passes(src, out, cand, n, K, cap, BLOCK: tl.constexpr, KEYS: tl.constexpr):
+    """The top-k of the row from its top two bytes' histograms (module docstring, full passes)."""
     need = K
     prefix = tl.zeros([], tl.int64)
     count = n
@@ -141,14 +167,44 @@ def _radix_select_kernel(S, OUT, CAND, n, stride, K, cap, BLOCK: tl.constexpr, K
         _emit(src, n, n, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, False, KEYS)
 
 
+@triton.jit
+def _radix_select_kernel(S, OUT, CAND, n, stride, K, cap, r_sample, BLOCK: tl.constexpr, KEYS: tl.constexpr,
+                         STRIDE: tl.constexpr):
+    row = tl.program_id(0)
+    src = S + row.to(tl.int64) * stride
+    out = OUT + row.to(tl.int64) * K
+    cand = CAND + row.to(tl.int64) * cap
+    if STRIDE > 1:
+        # the 16-bit bucket of the sample's r-th largest image; its lower edge bounds the list
+        r = tl.minimum(r_sample, tl.cdiv(n, STRIDE))
+        prefix = tl.zeros([], tl.int64)
+        for p in tl.static_range(2):
+            hist = _histogram(src, n, 24 - 8 * p, prefix, BLOCK, False, STRIDE)
+            prefix, r, _ = _choose(hist, r, prefix)
+        count = _collect(src, n, prefix << 16, cand, cap, BLOCK)
+        if (count >= K) & (count <= cap):
+            need = K
+            prefix = tl.zeros([], tl.int64)
+            for p in tl.static_range(4):
+                hist = _histogram(cand, count, 24 - 8 * p, prefix, BLOCK, True)
+                prefix, need, _ = _choose(hist, need, prefix)
+            _emit(cand, count, n, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, True, False, KEYS)
+        else:
+            _full_passes(src, out, cand, n, K, cap, BLOCK, KEYS)
+    else:
+        _full_passes(src, out, cand, n, K, cap, BLOCK, KEYS)
+
+
 def radix_topk(scores: torch.Tensor, topk: int, block: int = 1024, candidates: int = 1024, num_warps: int = 4,
-               ordered: bool = True) -> torch.Tensor:
+               ordered: bool = True, sample_stride: int = 8) -> torch.Tensor:
     """scores [C, n] fp32, -inf where invisible -> indices [C, topk] int32 (module docstring); with
     ``ordered=False`` each row's same entries in no particular order.
 
-    Workspace: ``C x min(topk, n)`` int64 keys and ``C x candidates`` int64 candidate entries (a
-    row whose 16-bit bucket holds more entries than ``candidates`` makes two more passes over its
-    scores instead); the scores are only read."""
+    ``sample_stride``: the sampled threshold from every ``sample_stride``-th score (1: the full
+    passes only). Workspace: ``C x min(topk, n)`` int64 keys and a candidate list of
+    ``C x min(n, max(candidates, 2 x topk))`` int64 entries with the sampled threshold, else
+    ``C x min(n, candidates)`` (a row whose list would overflow makes more passes over its scores
+    instead); the scores are only read."""
     if scores.dtype != torch.float32 or scores.dim() != 2:
         raise TypeError(f"radix_topk: scores must be 2-D float32, got {scores.dtype} {tuple(scores.shape)}")
     C, n = scores.shape
@@ -156,10 +212,17 @@ def radix_topk(scores: torch.Tensor, topk: int, block: int = 1024, candidates: i
     out = torch.empty(C, k, dtype=torch.int64 if ordered else torch.int32, device=scores.device)
     if C and k:
         s = scores if scores.stride(-1) == 1 else scores.contiguous()
-        cap = max(1, min(candidates, n))
+        if sample_stride < 1:
+            raise ValueError(f"radix_topk: sample_stride must be >= 1, got {sample_stride}")
+        cap = max(1, min(n, candidates if sample_stride == 1 else max(candidates, 2 * k)))
+        # the sample's rank whose bucket bounds the list: a quarter above k / stride, so that the
+        # list holds the top-k unless the sample misleads (then the row takes the full passes)
+        per_sample = -(-k // sample_stride)
+        r_sample = per_sample + per_sample // 4 + 16
         cand = torch.empty(C, cap, dtype=torch.int64, device=scores.device)
-        _radix_select_kernel[(C,)](s, out, cand, n, s.stride(0), k, cap,
-                                   BLOCK=min(block, triton.next_power_of_2(n)), KEYS=ordered, num_warps=num_warps)
+        _radix_select_kernel[(C,)](s, out, cand, n, s.stride(0), k, cap, r_sample,
+                                   BLOCK=min(block, triton.next_power_of_2(n)), KEYS=ordered, STRIDE=sample_stride,
+                                   num_warps=num_warps)
     if ordered:
         vals = out.sort(dim=-1, descending=True).values
         idx = torch.where(vals == INVISIBLE_KEY.value, torch.full_like(vals, PAD_INDEX), (n - 1) - (vals & 0xFFFFFFFF))
