@@ -38,7 +38,7 @@ def _head_prob_sum_kernel(Q, KV, LSE, IDX, OUT, n_slots, scale_log2,
     valid = idx >= 0
     rows = idx.to(tl.int64) * D
     acc = tl.zeros([HP, BJ], dtype=tl.float32)
-    for d0 in tl.static_range(0, D, BD):
+    for d0 in range(0, D, BD):  # a loop (not unrolled): Triton pipelines its loads
         d = d0 + tl.arange(0, BD)
         dmask = d < D
         q = tl.load(Q + t * (H * D) + h[:, None] * D + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
@@ -55,7 +55,7 @@ def _head_prob_sum_kernel(Q, KV, LSE, IDX, OUT, n_slots, scale_log2,
 
 
 def head_prob_sum(q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-                  block_slots: int = 128, block_d: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                  block_slots: int = 128, block_d: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """p [T, K] fp32 (see the module docstring). q [T, H, D], kv [T_kv, D], lse [T, H], indices [T, K] int32."""
     T, H, D = q.shape
     if kv.dim() != 2 or kv.shape[1] != D:
