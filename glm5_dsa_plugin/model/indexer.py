@@ -269,7 +269,7 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
             # it, so the block scores and selects over the key prefix [0, t1) only; the same order, as
             # the tie-break key T_kv - 1 - s and the prefix's t1 - 1 - s both fall as s grows
             m = min(n, t1) if vis.query_index is None else n
-            keys = None
+            keys = sel = None
             if use_triton:
                 radix = m >= RADIX_MIN_KEYS and m > topk  # fp32 scores for the radix select, else int64 keys
                 keys = _kernel_or_none(masked_scores.masked_index_scores, q[t0:t1], k[:m], w[t0:t1],
@@ -278,14 +278,13 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
                                        key_scale=None if key_scale is None else key_scale[:m])
                 if keys is not None and radix:
                     sel = _kernel_or_none(radix_topk.radix_topk, keys, topk, ordered=not key_order)
-                    sel = sel if sel is not None else deterministic_topk(keys, topk)
-                    out[t0:t1] = slots_in_key_order(sel) if key_order else sel
-                    continue
-            if keys is None:
+                    keys = score_keys(keys) if sel is None else None  # the kernel refused: int64 keys
+            if keys is None and sel is None:
                 sc = (index_scores(q[t0:t1], k[:m], w[t0:t1]) if key_scale is None
                       else fp8_index.fp8_index(q[t0:t1], w[t0:t1], k[:m], key_scale[:m]))
                 keys = score_keys(sc.masked_fill(~vis.mask(slice(t0, t1))[:, :m], float("-inf")))
-            sel = topk_from_keys(keys, topk, ordered=not key_order)
+            if sel is None:
+                sel = topk_from_keys(keys, topk, ordered=not key_order)
             out[t0:t1] = slots_in_key_order(sel) if key_order else sel
             del keys, sel
     if check:

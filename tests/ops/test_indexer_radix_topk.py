@@ -72,3 +72,5 @@ def test_radix_topk_refuses_non_float32_scores():
 
     with pytest.raises(TypeError, match="scores must be 2-D float32, got torch.bfloat16"):
         radix_topk(torch.zeros(2, 8, dtype=torch.bfloat16), 4)
+    with pytest.raises(ValueError, match="sample_stride must be >= 1, got 0"):
+        radix_topk(torch.zeros(2, 8), 4, sample_stride=0)

@@ -207,13 +207,13 @@ def radix_topk(scores: torch.Tensor, topk: int, block: int = 1024, candidates: i
     instead); the scores are only read."""
     if scores.dtype != torch.float32 or scores.dim() != 2:
         raise TypeError(f"radix_topk: scores must be 2-D float32, got {scores.dtype} {tuple(scores.shape)}")
+    if sample_stride < 1:
+        raise ValueError(f"radix_topk: sample_stride must be >= 1, got {sample_stride}")
     C, n = scores.shape
     k = min(topk, n)
     out = torch.empty(C, k, dtype=torch.int64 if ordered else torch.int32, device=scores.device)
     if C and k:
         s = scores if scores.stride(-1) == 1 else scores.contiguous()
-        if sample_stride < 1:
-            raise ValueError(f"radix_topk: sample_stride must be >= 1, got {sample_stride}")
         cap = max(1, min(n, candidates if sample_stride == 1 else max(candidates, 2 * k)))
         # the sample's rank whose bucket bounds the list: a quarter above k / stride, so that the
         # list holds the top-k unless the sample misleads (then the row takes the full passes)
