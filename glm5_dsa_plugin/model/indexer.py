@@ -231,8 +231,8 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
     ``RADIX_MIN_KEYS`` is selected from fp32 scores by the radix-select kernel
     (:mod:`glm5_dsa_plugin.ops.indexer.radix_topk`) instead, in the same order. With ``key_order``
     the same entries in :func:`slots_in_key_order`'s order (what sparse MLA reads at long T): the
-    radix select and ``torch.topk`` then skip their score-order sort, and each block is sorted
-    once, by key.
+    radix select writes each row in that order as it walks it, and a ``torch.topk`` block skips its
+    score-order sort and is sorted once, by key.
     ``precision="fp8"`` scores as the rollout engines do
     (:func:`glm5_dsa_plugin.ops.indexer.fp8_index.fp8_index_scores`: Hadamard rotation, e4m3 with
     UE8M0 scales, q and k quantised once), on the same kernels and in the same order. Every emitted
@@ -270,6 +270,7 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
             # the tie-break key T_kv - 1 - s and the prefix's t1 - 1 - s both fall as s grows
             m = min(n, t1) if vis.query_index is None else n
             keys = sel = None
+            by_key = False  # sel already in key order (the radix select writes it so)
             if use_triton:
                 radix = m >= RADIX_MIN_KEYS and m > topk  # fp32 scores for the radix select, else int64 keys
                 keys = _kernel_or_none(masked_scores.masked_index_scores, q[t0:t1], k[:m], w[t0:t1],
@@ -278,6 +279,7 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
                                        key_scale=None if key_scale is None else key_scale[:m])
                 if keys is not None and radix:
                     sel = _kernel_or_none(radix_topk.radix_topk, keys, topk, ordered=not key_order)
+                    by_key = sel is not None and key_order
                     keys = score_keys(keys) if sel is None else None  # the kernel refused: int64 keys
             if keys is None and sel is None:
                 sc = (index_scores(q[t0:t1], k[:m], w[t0:t1]) if key_scale is None
@@ -285,7 +287,7 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, vi
                 keys = score_keys(sc.masked_fill(~vis.mask(slice(t0, t1))[:, :m], float("-inf")))
             if sel is None:
                 sel = topk_from_keys(keys, topk, ordered=not key_order)
-            out[t0:t1] = slots_in_key_order(sel) if key_order else sel
+            out[t0:t1] = slots_in_key_order(sel) if key_order and not by_key else sel
             del keys, sel
     if check:
         check_topk(out, vis)

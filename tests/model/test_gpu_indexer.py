@@ -197,7 +197,7 @@ def test_radix_select_blocks_equal_a_stable_sort_of_the_scores(packed):
         vals, order = torch.sort(scores, dim=-1, descending=True, stable=True)
         want = torch.where(vals[:, :K] == float("-inf"), -1, order[:, :K]).to(torch.int32)
         assert torch.equal(idx[t0:m], want), t0
-    # the attention's key order at long T: the same entries, the radix select unsorted, then by key
+    # the attention's key order at long T: the same entries, written by key by the radix select
     keyed = indexer.select_topk(q, k, w, K, vis, chunk_rows=block, key_order=True)
     assert torch.equal(keyed, indexer.slots_in_key_order(idx))
 
@@ -213,6 +213,6 @@ def test_radix_topk_equals_deterministic_topk_on_wide_tied_rows():
     scores[1] = -0.0
     scores[2, : n - 100] = float("-inf")  # fewer visible keys than K
     want = indexer.deterministic_topk(scores, K)
-    assert torch.equal(radix_topk(scores, K), want)
-    assert torch.equal(indexer.slots_in_key_order(radix_topk(scores, K, ordered=False)),
-                       indexer.slots_in_key_order(want))
+    for stride in (8, 1):  # the sampled threshold and the full passes; key order as written
+        assert torch.equal(radix_topk(scores, K, sample_stride=stride), want)
+        assert torch.equal(radix_topk(scores, K, ordered=False, sample_stride=stride), indexer.slots_in_key_order(want))

@@ -17,6 +17,12 @@ def stable_sort_topk(scores, k):
     idx = torch.where(vals[:, :k] == float("-inf"), -1, order[:, :k]).to(torch.int32)
     return torch.nn.functional.pad(idx, (0, max(0, k - n)), value=-1)
 
+def key_order(idx):
+    # ascending key index, -1 last
+    last = torch.iinfo(torch.int32).max
+    s = torch.where(idx < 0, last, idx).sort(-1).values
+    return torch.where(s == last, -1, s).to(torch.int32)
+
 def check(scores, k, block=64, strides=(8, 1)):
     want = stable_sort_topk(scores, k)
     # a candidate list wider than any bucket, and one of 2 entries (most rows take the row passes);
@@ -25,10 +31,10 @@ def check(scores, k, block=64, strides=(8, 1)):
         for stride in strides:
             got = radix_topk(scores, k, block=block, candidates=candidates, sample_stride=stride)
             assert torch.equal(got, want), (k, block, candidates, stride, got, want)
-            # unordered: the same entries, -1 included, in any order
-            loose = radix_topk(scores, k, block=block, candidates=candidates, ordered=False, sample_stride=stride)
-            assert loose.dtype == torch.int32 and loose.shape == want.shape
-            assert torch.equal(loose.sort(-1).values, want.sort(-1).values), (k, block, candidates, stride, loose, want)
+            # key order: the same entries, ascending key index, -1 last
+            by_key = radix_topk(scores, k, block=block, candidates=candidates, ordered=False, sample_stride=stride)
+            assert by_key.dtype == torch.int32 and by_key.shape == want.shape
+            assert torch.equal(by_key, key_order(want)), (k, block, candidates, stride, by_key, want)
 
 g = torch.Generator().manual_seed(0)
 C, n = 6, 300
@@ -41,6 +47,8 @@ check(ties, 40); check(ties, 150)
 masked = s.clone(); masked[:, 100:] = float("-inf"); masked[2] = float("-inf")
 check(masked, 130)                                   # rows with fewer visible keys than k, one with none
 check(masked, 50)
+front = s.clone(); front[:, :250] = float("-inf")     # invisible keys before the visible ones (packed rows)
+check(front, 130); check(front, 30)
 zeros = torch.zeros(C, n); zeros[:, ::3] = -0.0; zeros[1, 5] = 1e-30; zeros[3, 7] = -1e-30
 check(zeros, 20)                                     # -0.0 ties with +0.0; denormal-scale neighbours
 check(torch.tensor([[float("inf"), 3.0, -float("inf"), 3.0, 2.0, -7.5]]), 3, block=4)
@@ -58,6 +66,8 @@ check(wide, 700, block=256, strides=(8, 3))
 low = wide.clone(); low[:, ::8] = -10.0 - torch.rand(3, 512, generator=g)
 high = wide.clone(); high[:, ::8] = 10.0 + torch.rand(3, 512, generator=g)
 check(low, 64, block=256); check(high, 64, block=256); check(high, 700, block=256)
+wide_front = wide.clone(); wide_front[:, :3000] = float("-inf")  # 1096 visible keys
+check(wide_front, 700, block=256, strides=(8,)); check(wide_front, 1500, block=256, strides=(8,))
 print("OK")
 """
 

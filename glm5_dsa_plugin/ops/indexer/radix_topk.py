@@ -5,8 +5,8 @@
 The result equals ``topk_from_keys(score_keys(scores), topk)`` of
 :mod:`glm5_dsa_plugin.model.indexer` bit for bit: highest score first, equal scores to the lower
 key index, ``-1`` (invisible or missing keys) last. With ``ordered=False`` each row holds the same
-entries in no particular order (for a caller that sorts them by key, as the attention does at long
-T): the kernel writes int32 indices and the int64 keys and their sort are skipped.
+entries in ascending key order, ``-1`` last (the order the attention reads at long T): the kernel
+writes int32 indices as it walks the row, and the int64 keys and their sort are skipped.
 
 Method, one program per row. Each score maps to its order-preserving 32-bit image ``u`` (the
 same image as ``score_keys``'s high half, offset to unsigned).
@@ -97,12 +97,15 @@ def _choose(hist, need, prefix):
 
 
 @triton.jit
-def _emit(src, m, n, level, prefix, need, out, taken, cand, BLOCK: tl.constexpr, FROM_CANDIDATES: tl.constexpr,
+def _emit(src, m, n, K, level, prefix, need, out, taken, cand, BLOCK: tl.constexpr, FROM_CANDIDATES: tl.constexpr,
           COLLECT: tl.constexpr, KEYS: tl.constexpr):
-    """Write, in key order, the keys (KEYS) or int32 indices (-1 where invisible) of the entries
-    whose ``u >> level`` is above ``prefix`` to ``out[taken:]``, and those equal to it: with COLLECT
-    all of them to the candidate list ``cand``, else the first ``need``. Returns the new ``taken``."""
+    """Write, in key order, the keys (KEYS) or int32 indices of the entries whose ``u >> level`` is
+    above ``prefix`` to ``out[taken:]``, and those equal to it: with COLLECT all of them to the
+    candidate list ``cand``, else the first ``need``. Returns the new ``taken``. Indices (not KEYS,
+    not COLLECT) of invisible entries are written as -1 from the row's end, so a single emission
+    leaves the row in ascending key order with its -1 last."""
     ties = tl.zeros([], tl.int32)
+    taken_inv = tl.zeros([], tl.int32)
     for start in range(0, m, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inb = offs < m
@@ -116,14 +119,23 @@ def _emit(src, m, n, level, prefix, need, out, taken, cand, BLOCK: tl.constexpr,
             tl.store(cand + rank, (u << 32) | idx, mask=eq)
         else:
             sel = (inb & (hi > prefix)) | (eq & (rank < need))
-        sel_i = sel.to(tl.int32)
-        pos = taken + tl.cumsum(sel_i, 0) - sel_i
-        if KEYS:
-            val = tl.where(u == _NEG_INF_IMAGE, INVISIBLE_KEY, ((u - 2147483648) << 32) | (n - 1 - idx))
+        if KEYS or COLLECT:
+            sel_i = sel.to(tl.int32)
+            pos = taken + tl.cumsum(sel_i, 0) - sel_i
+            if KEYS:
+                val = tl.where(u == _NEG_INF_IMAGE, INVISIBLE_KEY, ((u - 2147483648) << 32) | (n - 1 - idx))
+            else:
+                val = tl.where(u == _NEG_INF_IMAGE, -1, idx).to(tl.int32)
+            tl.store(out + pos, val, mask=sel)
+            taken += tl.sum(sel_i, 0)
         else:
-            val = tl.where(u == _NEG_INF_IMAGE, -1, idx).to(tl.int32)
-        tl.store(out + pos, val, mask=sel)
-        taken += tl.sum(sel_i, 0)
+            inv = u == _NEG_INF_IMAGE
+            vis_i = (sel & ~inv).to(tl.int32)
+            inv_i = (sel & inv).to(tl.int32)
+            pos = tl.where(inv, K - 1 - (taken_inv + tl.cumsum(inv_i, 0) - inv_i), taken + tl.cumsum(vis_i, 0) - vis_i)
+            tl.store(out + pos, tl.where(inv, -1, idx).to(tl.int32), mask=sel)
+            taken += tl.sum(vis_i, 0)
+            taken_inv += tl.sum(inv_i, 0)
         ties += tl.sum(eq_i, 0)
     return taken
 
@@ -155,16 +167,19 @@ def _full_passes(src, out, cand, n, K, cap, BLOCK: tl.constexpr, KEYS: tl.conste
         prefix, need, count = _choose(hist, need, prefix)
     if count <= cap:
         # the keys above the bucket go out; the bucket's entries become the candidate list
-        taken = _emit(src, n, n, 16, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, True, KEYS)
+        taken = _emit(src, n, n, K, 16, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, True, KEYS)
         for p in tl.static_range(2):
             hist = _histogram(cand, count, 8 - 8 * p, prefix, BLOCK, True)
             prefix, need, _ = _choose(hist, need, prefix)
-        _emit(cand, count, n, 0, prefix, need, out, taken, cand, BLOCK, True, False, KEYS)
+        if KEYS:
+            _emit(cand, count, n, K, 0, prefix, need, out, taken, cand, BLOCK, True, False, KEYS)
+        else:  # indices in key order: the whole row once more, by its full 32-bit threshold
+            _emit(src, n, n, K, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, False, KEYS)
     else:  # a bucket wider than the list (ties by the thousand): two more passes over the row
         for p in tl.static_range(2):
             hist = _histogram(src, n, 8 - 8 * p, prefix, BLOCK, False)
             prefix, need, _ = _choose(hist, need, prefix)
-        _emit(src, n, n, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, False, KEYS)
+        _emit(src, n, n, K, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, False, KEYS)
 
 
 @triton.jit
@@ -188,7 +203,7 @@ def _radix_select_kernel(S, OUT, CAND, n, stride, K, cap, r_sample, BLOCK: tl.co
             for p in tl.static_range(4):
                 hist = _histogram(cand, count, 24 - 8 * p, prefix, BLOCK, True)
                 prefix, need, _ = _choose(hist, need, prefix)
-            _emit(cand, count, n, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, True, False, KEYS)
+            _emit(cand, count, n, K, 0, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, True, False, KEYS)
         else:
             _full_passes(src, out, cand, n, K, cap, BLOCK, KEYS)
     else:
@@ -198,7 +213,7 @@ def _radix_select_kernel(S, OUT, CAND, n, stride, K, cap, r_sample, BLOCK: tl.co
 def radix_topk(scores: torch.Tensor, topk: int, block: int = 1024, candidates: int = 1024, num_warps: int = 4,
                ordered: bool = True, sample_stride: int = 8) -> torch.Tensor:
     """scores [C, n] fp32, -inf where invisible -> indices [C, topk] int32 (module docstring); with
-    ``ordered=False`` each row's same entries in no particular order.
+    ``ordered=False`` each row's same entries in ascending key order, -1 last.
 
     ``sample_stride``: the sampled threshold from every ``sample_stride``-th score (1: the full
     passes only). Workspace: ``C x min(topk, n)`` int64 keys and a candidate list of
