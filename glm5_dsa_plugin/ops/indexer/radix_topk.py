@@ -101,9 +101,10 @@ def _emit(src, m, n, K, level, prefix, need, out, taken, cand, BLOCK: tl.constex
           COLLECT: tl.constexpr, KEYS: tl.constexpr):
     """Write, in key order, the keys (KEYS) or int32 indices of the entries whose ``u >> level`` is
     above ``prefix`` to ``out[taken:]``, and those equal to it: with COLLECT all of them to the
-    candidate list ``cand``, else the first ``need``. Returns the new ``taken``. Indices (not KEYS,
-    not COLLECT) of invisible entries are written as -1 from the row's end, so a single emission
-    leaves the row in ascending key order with its -1 last."""
+    candidate list ``cand``, else the first ``need``. Returns the new ``taken``. Indices of
+    invisible entries are written as -1 from the row's end, so a single emission leaves the row in
+    ascending key order with its -1 last; with COLLECT, indices go nowhere but the list (the caller
+    writes the row in one more emission)."""
     ties = tl.zeros([], tl.int32)
     taken_inv = tl.zeros([], tl.int32)
     for start in range(0, m, BLOCK):
@@ -119,16 +120,13 @@ def _emit(src, m, n, K, level, prefix, need, out, taken, cand, BLOCK: tl.constex
             tl.store(cand + rank, (u << 32) | idx, mask=eq)
         else:
             sel = (inb & (hi > prefix)) | (eq & (rank < need))
-        if KEYS or COLLECT:
+        if KEYS:
             sel_i = sel.to(tl.int32)
             pos = taken + tl.cumsum(sel_i, 0) - sel_i
-            if KEYS:
-                val = tl.where(u == _NEG_INF_IMAGE, INVISIBLE_KEY, ((u - 2147483648) << 32) | (n - 1 - idx))
-            else:
-                val = tl.where(u == _NEG_INF_IMAGE, -1, idx).to(tl.int32)
+            val = tl.where(u == _NEG_INF_IMAGE, INVISIBLE_KEY, ((u - 2147483648) << 32) | (n - 1 - idx))
             tl.store(out + pos, val, mask=sel)
             taken += tl.sum(sel_i, 0)
-        else:
+        elif not COLLECT:
             inv = u == _NEG_INF_IMAGE
             vis_i = (sel & ~inv).to(tl.int32)
             inv_i = (sel & inv).to(tl.int32)
@@ -166,7 +164,7 @@ def _full_passes(src, out, cand, n, K, cap, BLOCK: tl.constexpr, KEYS: tl.conste
         hist = _histogram(src, n, 24 - 8 * p, prefix, BLOCK, False)
         prefix, need, count = _choose(hist, need, prefix)
     if count <= cap:
-        # the keys above the bucket go out; the bucket's entries become the candidate list
+        # the keys above the bucket go out (KEYS); the bucket's entries become the candidate list
         taken = _emit(src, n, n, K, 16, prefix, need, out, tl.zeros([], tl.int32), cand, BLOCK, False, True, KEYS)
         for p in tl.static_range(2):
             hist = _histogram(cand, count, 8 - 8 * p, prefix, BLOCK, True)
