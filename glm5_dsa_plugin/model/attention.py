@@ -194,6 +194,22 @@ class GLM5DSAttention(MegatronModule):
                 f"DSA layer. {micro_batch.NO_GRAD_TRAINING_HINT}")
 
     @staticmethod
+    def _packed_visibility(packed_seq_params: PackedSeqParams, device) -> indexer.Visibility:
+        """The micro batch's THD visibility, built by its first DSA layer and kept on its
+        ``PackedSeqParams`` for the others: boundaries on a GPU cost a host read, which waits for
+        the GPU's queue, once per micro batch instead of once per layer. Kept while the boundary
+        tensors are the same objects, unmodified (their identity and in-place version)."""
+        cu, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+        ident = tuple((id(t), t._version) if t is not None else None for t in (cu, padded)) + (str(device),)
+        kept = micro_batch.state(packed_seq_params, micro_batch.VISIBILITY_ATTR)
+        hit = kept.get("packed")
+        if hit is not None and hit[0] == ident:
+            return hit[2]
+        vis = indexer.Visibility.from_cu_seqlens(cu, device=device, cu_seqlens_padded=padded)
+        kept["packed"] = (ident, (cu, padded), vis)  # the tensors held, so their ids are not reused
+        return vis
+
+    @staticmethod
     def _to_packed(t: torch.Tensor) -> torch.Tensor:
         """[s, b, ...] -> [b*s, ...] (batch-major)."""
         return t.transpose(0, 1).reshape(t.shape[0] * t.shape[1], *t.shape[2:])
@@ -241,12 +257,11 @@ class GLM5DSAttention(MegatronModule):
             vis = cp_shard.vis
         # ----
         elif packed:
-            vis = indexer.Visibility.from_cu_seqlens(packed_seq_params.cu_seqlens_q, device=query.device,
-                                                cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded)
+            vis = self._packed_visibility(packed_seq_params, query.device)
             if int(vis.query_seq.shape[0]) != s:
                 raise ValueError(f"cu_seqlens covers {vis.query_seq.shape[0]} tokens, query has {s}")
         else:
-            vis = indexer.Visibility.from_cu_seqlens(torch.arange(b + 1) * s, device=query.device)
+            vis = indexer.Visibility.uniform(b, s, device=query.device)
 
         q = self._to_packed(query)  # [b*s, H, Dq]
         xs, qrs = self._hidden_rows(x, s, b), self._hidden_rows(qr, s, b)

@@ -217,7 +217,7 @@ def shard(group, layout: str, local_tokens: int, batch: int = 1, cu_seqlens: Opt
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     total = cp * local_tokens
     if cu_seqlens is None:
-        vis = indexer.Visibility.from_cu_seqlens(torch.arange(batch + 1) * (total // batch), device=device)
+        vis = indexer.Visibility.uniform(batch, total // batch, device=device)
         bounds = units(layout, total, batch)
     else:
         extent = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens

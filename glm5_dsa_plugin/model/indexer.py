@@ -67,6 +67,24 @@ def apply_rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
 
 
 # --------------------------------------------------------------------------- visibility
+def _boundary_errors(cu: torch.Tensor, padded: torch.Tensor | None) -> tuple[bool, bool, int, int]:
+    """(lengths decrease somewhere, a padded length is below its real one, first boundary, packed
+    total) of int64 boundaries, in one host read."""
+    lengths = cu[1:] - cu[:-1]
+    layout = cu if padded is None else padded
+    bad_pad = ((layout[1:] - layout[:-1]) < lengths).any() if padded is not None else (lengths < lengths).any()
+    bad_order, bad_pad, first, total = torch.stack([(lengths < 0).any().long(), bad_pad.long(), layout[0],
+                                                    layout[-1]]).tolist()
+    return bool(bad_order), bool(bad_pad), int(first), int(total)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the device's queue (pinned staging)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Visibility:
     """Who may see whom, in packed coordinates.
@@ -95,32 +113,51 @@ class Visibility:
 
         With ``cu_seqlens_padded`` the packed layout is the padded one: sequence i occupies
         [padded[i], padded[i + 1]) and its real tokens are the first cu_seqlens[i+1] - cu_seqlens[i];
-        pad tokens see no key and no query sees them (their top-k rows are all padding)."""
-        dev = device or cu_seqlens.device
-        cu = cu_seqlens.to(device=dev, dtype=torch.int64)
-        lengths = cu[1:] - cu[:-1]
-        if (lengths < 0).any():
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
-        if cu_seqlens_padded is None:
-            total = int(cu[-1])
-            seq = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)
-            pos = torch.arange(total, device=dev) - cu[:-1][seq]
-            return Visibility(seq, pos, seq, pos)
-        cp = cu_seqlens_padded.to(device=dev, dtype=torch.int64)
-        plen = cp[1:] - cp[:-1]
-        if cp.shape != cu.shape or (plen < lengths).any():
+        pad tokens see no key and no query sees them (their top-k rows are all padding).
+
+        Host reads: none for boundaries on the host (checked there, copied through pinned memory);
+        one for boundaries on a GPU (the check and the total read together). Each read waits for
+        the GPU's queued work, so a layer that hands over host boundaries keeps the host ahead."""
+        dev = torch.device(device) if device is not None else cu_seqlens.device
+        cu = cu_seqlens.to(dtype=torch.int64)
+        cp = cu_seqlens_padded.to(dtype=torch.int64) if cu_seqlens_padded is not None else None
+        if cp is not None and cp.shape != cu.shape:
             raise ValueError(f"cu_seqlens_padded {cp.tolist()} does not hold cu_seqlens {cu.tolist()}")
-        total = int(cp[-1])
-        seq = torch.repeat_interleave(torch.arange(len(plen), device=dev), plen)
-        pos = torch.arange(total, device=dev) - cp[:-1][seq]
-        real = pos < lengths[seq]
+        if cu.device.type == "cpu" and (cp is None or cp.device.type == "cpu"):
+            bad_order, bad_pad, first, total = _boundary_errors(cu, cp)
+            cu, cp = _to_device(cu, dev), None if cp is None else _to_device(cp, dev)
+        else:
+            cu, cp = cu.to(dev), None if cp is None else cp.to(dev)
+            bad_order, bad_pad, first, total = _boundary_errors(cu, cp)
+        layout = cu if cp is None else cp
+        if bad_order:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
+        if bad_pad:
+            raise ValueError(f"cu_seqlens_padded {layout.tolist()} does not hold cu_seqlens {cu.tolist()}")
+        if first != 0:
+            raise ValueError(f"packed boundaries must start at 0, got {layout.tolist()}")
+        lengths = layout[1:] - layout[:-1]
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths, output_size=total)
+        pos = torch.arange(total, device=dev) - layout[:-1][seq]
+        if cp is None:
+            return Visibility(seq, pos, seq, pos)
+        real = pos < (cu[1:] - cu[:-1])[seq]
         q_seq = torch.where(real, seq, torch.full_like(seq, -1))
         k_seq = torch.where(real, seq, torch.full_like(seq, -2))
         return Visibility(q_seq, pos, k_seq, pos)
 
     @staticmethod
+    def uniform(batch: int, seq_len: int, device=None) -> "Visibility":
+        """``batch`` sequences of ``seq_len`` tokens each, packed one after another (bshd as THD):
+        the same as ``from_cu_seqlens(arange(batch + 1) * seq_len)``, built on the device with no
+        host read or copy."""
+        rows = torch.arange(batch * seq_len, device=device)
+        seq, pos = rows // max(1, seq_len), rows % max(1, seq_len)
+        return Visibility(seq, pos, seq, pos)
+
+    @staticmethod
     def causal(T: int, device=None) -> "Visibility":
-        return Visibility.from_cu_seqlens(torch.tensor([0, T]), device=device)
+        return Visibility.uniform(1, T, device=device)
 
     def rows(self, sel) -> "Visibility":
         """Visibility of a subset of query rows (index tensor or slice) against the same keys."""
