@@ -200,6 +200,9 @@ class GLM5DSAttention(MegatronModule):
         the GPU's queue, once per micro batch instead of once per layer. Kept while the boundary
         tensors are the same objects, unmodified (their identity and in-place version)."""
         cu, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+        if cu.is_inference() or (padded is not None and padded.is_inference()):
+            # inference tensors keep no version counter: an in-place change could not be seen
+            return indexer.Visibility.from_cu_seqlens(cu, device=device, cu_seqlens_padded=padded)
         ident = tuple((id(t), t._version) if t is not None else None for t in (cu, padded)) + (str(device),)
         kept = micro_batch.state(packed_seq_params, micro_batch.VISIBILITY_ATTR)
         hit = kept.get("packed")

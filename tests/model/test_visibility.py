@@ -90,3 +90,18 @@ def test_packed_visibility_is_built_once_per_micro_batch():
     assert torch.equal(GLM5DSAttention._packed_visibility(psp, "cpu").query_pos, torch.arange(8))
     other = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)  # another micro batch
     assert GLM5DSAttention._packed_visibility(other, "cpu") is not moved
+
+
+def test_packed_visibility_of_inference_tensors_is_built_each_time():
+    """Boundaries made under torch.inference_mode() have no version counter: built, never kept."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from glm5_dsa_plugin.model.attention import GLM5DSAttention
+
+    with torch.inference_mode():
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    a = GLM5DSAttention._packed_visibility(psp, "cpu")
+    b = GLM5DSAttention._packed_visibility(psp, "cpu")
+    assert a is not b and torch.equal(a.query_pos, torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]))
+    assert torch.equal(b.query_seq, a.query_seq)
