@@ -229,13 +229,11 @@ class GLM5DSAttention(MegatronModule):
                 attention_bias=None, packed_seq_params: PackedSeqParams = None, up_v_weight=None):
         if attention_bias is not None:
             raise ValueError("GLM5DSAttention does not take an attention_bias")
-        cp_group = getattr(self.pg_collection, "cp", None)
-        cp = get_pg_size(cp_group)
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed and query.dim() == 3:
             query, key = query.unsqueeze(1), key.unsqueeze(1)
             value = value.unsqueeze(1) if value is not None else None
-        s, b, H, Dq = query.shape
+        s, b = query.shape[:2]
         tp = get_pg_size(getattr(self.pg_collection, "tp", None))
         if self.config.sequence_parallel and tp > 1:
             # sequence parallel: x / qr hold this rank's rows, the query holds all of them
@@ -243,108 +241,115 @@ class GLM5DSAttention(MegatronModule):
                 x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
             if qr.shape[0] * tp == s:
                 qr = gather_from_sequence_parallel_region(qr, group=self.pg_collection.tp)
-
         if packed and b != 1:
             raise ValueError(f"packed THD input must have batch 1, got {b}")
-        # ---- context parallel (allgather CP): queries stay local; kv and indexer keys are gathered
-        # into global packed order below, so indices are rows of the gathered kv
-        cp_shard = None
-        if cp > 1:  # one shard per micro batch, shared by its layers (on the index-sharing holder's carrier)
-            shards = micro_batch.state(self._carrier(packed_seq_params, attention_mask), micro_batch.CP_SHARDS_ATTR)
-            shard_key = (id(cp_group), self.cp_layout, s, b, query.device)
-            if shard_key not in shards:
-                shards[shard_key] = shard(cp_group, self.cp_layout, s * b, batch=b, device=query.device,
-                                        cu_seqlens=packed_seq_params.cu_seqlens_q if packed else None,
-                                        cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded if packed else None)
-            cp_shard = shards[shard_key]
-            vis = cp_shard.vis
-        # ----
-        elif packed:
-            vis = self._packed_visibility(packed_seq_params, query.device)
-            if int(vis.query_seq.shape[0]) != s:
-                raise ValueError(f"cu_seqlens covers {vis.query_seq.shape[0]} tokens, query has {s}")
-        else:
-            vis = indexer.Visibility.uniform(b, s, device=query.device)
-
-        q = self._to_packed(query)  # [b*s, H, Dq]
-        xs, qrs = self._hidden_rows(x, s, b), self._hidden_rows(qr, s, b)
-        absorbed = value is None
-        if absorbed:
-            if up_v_weight is None:
-                raise RuntimeError("absorbed DSA (value=None) needs up_v_weight [H, v_head_dim, kv_lora_rank]")
-            kv = self._to_packed(key)  # [b*s, 1, Dq]
-            d_v = self.config.kv_lora_rank
-            if kv.shape[1] != 1 or Dq != d_v + self.config.qk_pos_emb_head_dim:
-                raise RuntimeError(f"absorbed DSA expects key [s, b, 1, {d_v}+{self.config.qk_pos_emb_head_dim}], "
-                                   f"got {tuple(key.shape)}")
-            q_att, kv_att, backend = q, kv, self.backend
-        else:
-            # un-absorbed MLA (per-head keys and values): kv = [value | key], q = [0 | q], d_v = v dim.
-            # Exact, but only the reference backend supports that split.
-            k = self._to_packed(key)
-            v = self._to_packed(value)
-            d_v = v.shape[-1]
-            q_att = torch.cat([q.new_zeros(*q.shape[:-1], d_v), q], dim=-1)
-            kv_att = torch.cat([v, k], dim=-1)
-            backend = "reference"
-
-        if absorbed and self.kv_fp8_qat:  # the latent as the rollout's FP8 KV cache holds it (straight-through)
+        vis, cp_shard = self._visibility(packed_seq_params, packed, attention_mask, s, b, query.device)
+        q_att, kv_att, d_v, backend = self._attention_operands(query, key, value, up_v_weight)
+        if value is None and self.kv_fp8_qat:  # the latent as the rollout's FP8 KV cache holds it (straight-through)
             kv_att = fake_quant_kv(kv_att)
         if cp_shard is not None:  # CP: the latent kv of the whole sequence set
             kv_att = cp_shard.gather(kv_att)
 
         carrier = self._carrier(packed_seq_params, attention_mask)
-        deterministic = self.switches.deterministic
-        index_logits = None
-        if self.indexer is not None:
-            replay = None if self.is_mtp else replay_mod.indexer_replay_of(carrier)
-            self._check_replay(replay, carrier is self.config or replay_mod.carries_several_replays(carrier))
-            recorder = None if self.is_mtp else getattr(carrier, replay_mod.RECORDER_ATTR, None)
-            replayed = self._replayed(replay, vis, q.shape[0], q.device) if replay is not None else None
-            coeff = self.config.dsa_indexer_loss_coeff or 0.0
-            want_loss = self.training and coeff > 0 and torch.is_grad_enabled()
-            own_all = replayed is None or replay.measure_overlap
-            if own_all or want_loss or replay.own_rows.numel():
-                # detached inputs, as in megatron-core: the indexer loss trains the indexer only, never the trunk
-                qi, ki, wi = self.indexer.qkw(xs.detach(), qrs.detach(), vis.query_pos)
-                if cp_shard is not None:  # CP: the indexer keys of the whole sequence set
-                    ki = cp_shard.gather(ki)
-            key_order = indexer.reads_key_order(kv_att.shape[0])
-            if own_all:  # selected in the attention's slot order (below)
-                indices = self.indexer.select_topk(qi.detach(), ki.detach(), wi.detach(), vis, key_order=key_order)
-            if replayed is not None:
-                if replay.measure_overlap:
-                    replay.record_overlap(self.layer_number, replayed, indices)
-                    own = indices
-                elif replay.own_rows.numel():
-                    r = replay.own_rows
-                    own = self.indexer.select_topk(qi[r].detach(), ki.detach(), wi[r].detach(), vis.rows(r))
-                indices = replayed
-                if replay.own_rows.numel():  # rows the record does not hold keep the trainer's own top-k
-                    indices = replayed.clone()
-                    indices[replay.own_rows] = own if not replay.measure_overlap else own[replay.own_rows]
-            if recorder is not None:
-                recorder.add(self.layer_number, indices, vis.qidx)
-            att_idx = indices if replayed is None else indexer.attention_slot_order(indices, kv_att.shape[0])
-            if self.topk_freq > 1:  # kept when later layers reuse them (index sharing): the kernels' order
-                self.shared_topk.publish(carrier, att_idx)
-            if want_loss:  # in the attention's slot order: the loss does not depend on it, and no second copy is kept
-                index_logits = indexer.selected_scores(qi, ki, wi, att_idx, deterministic=deterministic)
-        else:
-            indices = att_idx = self.shared_topk.read(carrier, self.training, shared_carrier=carrier is self.config)
-
+        att_idx, index_logits = self._topk(carrier, vis, cp_shard, self._hidden_rows(x, s, b),
+                                           self._hidden_rows(qr, s, b), kv_att.shape[0])
         G = kv_att.shape[1]
         # The indices come from our own top-k. With the guard on, validating them is free (read with
         # the guard's flag); with GLM5_DSA_NONFINITE=off the attention reads no device flag at all.
         out, lse = sparse_mla(q_att, kv_att, att_idx[:, None, :].expand(-1, G, -1).contiguous(),
                             self.softmax_scale, d_v=d_v, backend=backend, validate=guard_policy() != "off",
-                            deterministic=deterministic)  # [b*s, H, d_v]
+                            deterministic=self.switches.deterministic)  # [b*s, H, d_v]
         if index_logits is not None:
             kv_loss = kv_att[:, 0] if G == 1 else kv_att  # un-absorbed MLA: per-head keys
             out = self._attach_indexer_loss(out, index_logits, q_att, kv_loss, att_idx, lse)
-        if absorbed:
+        if value is None:
             out = value_up_projection(out, up_v_weight.to(out.dtype))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, H * v]
+
+    def _visibility(self, packed_seq_params, packed: bool, attention_mask, s: int, b: int, device):
+        """-> (the visibility of this rank's query rows, the micro batch's CP shard or None);
+        ``packed``: THD (``packed_seq_params`` describes the rows), else bshd.
+
+        Context parallel (allgather CP): queries stay local; kv and the indexer keys are gathered
+        into global packed order, so indices are rows of the gathered kv. One shard per micro
+        batch, shared by its layers (on the index-sharing holder's carrier)."""
+        cp_group = getattr(self.pg_collection, "cp", None)
+        if get_pg_size(cp_group) > 1:
+            shards = micro_batch.state(self._carrier(packed_seq_params, attention_mask), micro_batch.CP_SHARDS_ATTR)
+            shard_key = (id(cp_group), self.cp_layout, s, b, device)
+            if shard_key not in shards:
+                shards[shard_key] = shard(cp_group, self.cp_layout, s * b, batch=b, device=device,
+                                          cu_seqlens=packed_seq_params.cu_seqlens_q if packed else None,
+                                          cu_seqlens_padded=packed_seq_params.cu_seqlens_q_padded if packed else None)
+            return shards[shard_key].vis, shards[shard_key]
+        if packed:
+            vis = self._packed_visibility(packed_seq_params, device)
+            if int(vis.query_seq.shape[0]) != s:
+                raise ValueError(f"cu_seqlens covers {vis.query_seq.shape[0]} tokens, query has {s}")
+            return vis, None
+        return indexer.Visibility.uniform(b, s, device=device), None
+
+    def _attention_operands(self, query, key, value, up_v_weight):
+        """-> (q [b*s, H, Dqk], kv [b*s, G, Dqk], d_v, backend) of the sparse attention.
+
+        Absorbed MLA (``value`` None): the latent kv [s, b, 1, kv_lora_rank + rope] as one kv group.
+        Un-absorbed MLA (per-head keys and values): kv = [value | key], q = [0 | q], d_v = the value
+        dim; exact, but only the reference backend supports that split."""
+        q = self._to_packed(query)
+        if value is None:
+            if up_v_weight is None:
+                raise RuntimeError("absorbed DSA (value=None) needs up_v_weight [H, v_head_dim, kv_lora_rank]")
+            kv = self._to_packed(key)
+            d_v = self.config.kv_lora_rank
+            if kv.shape[1] != 1 or query.shape[-1] != d_v + self.config.qk_pos_emb_head_dim:
+                raise RuntimeError(f"absorbed DSA expects key [s, b, 1, {d_v}+{self.config.qk_pos_emb_head_dim}], "
+                                   f"got {tuple(key.shape)}")
+            return q, kv, d_v, self.backend
+        k, v = self._to_packed(key), self._to_packed(value)
+        d_v = v.shape[-1]
+        return torch.cat([q.new_zeros(*q.shape[:-1], d_v), q], dim=-1), torch.cat([v, k], dim=-1), d_v, "reference"
+
+    def _topk(self, carrier, vis, cp_shard, xs, qrs, n_kv: int):
+        """-> (top-k [T, topk] in the attention's slot order, the selected index logits for the
+        indexer loss or None). The indexer's own top-k, the rollout's replayed one (rows it does not
+        hold keep ours), or, on an index-sharing layer, the top-k its source layer published."""
+        if self.indexer is None:
+            return self.shared_topk.read(carrier, self.training, shared_carrier=carrier is self.config), None
+        replay = None if self.is_mtp else replay_mod.indexer_replay_of(carrier)
+        self._check_replay(replay, carrier is self.config or replay_mod.carries_several_replays(carrier))
+        recorder = None if self.is_mtp else getattr(carrier, replay_mod.RECORDER_ATTR, None)
+        replayed = self._replayed(replay, vis, xs.shape[0], xs.device) if replay is not None else None
+        coeff = self.config.dsa_indexer_loss_coeff or 0.0
+        want_loss = self.training and coeff > 0 and torch.is_grad_enabled()
+        own_all = replayed is None or replay.measure_overlap
+        if own_all or want_loss or replay.own_rows.numel():
+            # detached inputs, as in megatron-core: the indexer loss trains the indexer only, never the trunk
+            qi, ki, wi = self.indexer.qkw(xs.detach(), qrs.detach(), vis.query_pos)
+            if cp_shard is not None:  # CP: the indexer keys of the whole sequence set
+                ki = cp_shard.gather(ki)
+        if own_all:  # selected in the attention's slot order (below)
+            indices = self.indexer.select_topk(qi.detach(), ki.detach(), wi.detach(), vis,
+                                               key_order=indexer.reads_key_order(n_kv))
+        if replayed is not None:
+            if replay.measure_overlap:
+                replay.record_overlap(self.layer_number, replayed, indices)
+                own = indices
+            elif replay.own_rows.numel():
+                r = replay.own_rows
+                own = self.indexer.select_topk(qi[r].detach(), ki.detach(), wi[r].detach(), vis.rows(r))
+            indices = replayed
+            if replay.own_rows.numel():  # rows the record does not hold keep the trainer's own top-k
+                indices = replayed.clone()
+                indices[replay.own_rows] = own if not replay.measure_overlap else own[replay.own_rows]
+        if recorder is not None:
+            recorder.add(self.layer_number, indices, vis.qidx)
+        att_idx = indices if replayed is None else indexer.attention_slot_order(indices, n_kv)
+        if self.topk_freq > 1:  # kept when later layers reuse them (index sharing): the kernels' order
+            self.shared_topk.publish(carrier, att_idx)
+        if not want_loss:
+            return att_idx, None
+        # in the attention's slot order: the loss does not depend on it, and no second copy is kept
+        return att_idx, indexer.selected_scores(qi, ki, wi, att_idx, deterministic=self.switches.deterministic)
 
     @property
     def backend(self) -> str:
