@@ -70,11 +70,11 @@ def apply_rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
 def _boundary_errors(cu: torch.Tensor, padded: torch.Tensor | None) -> tuple[bool, bool, int, int]:
     """(lengths decrease somewhere, a padded length is below its real one, first boundary, packed
     total) of int64 boundaries, in one host read."""
-    lengths = cu[1:] - cu[:-1]
     layout = cu if padded is None else padded
-    bad_pad = ((layout[1:] - layout[:-1]) < lengths).any() if padded is not None else (lengths < lengths).any()
-    bad_order, bad_pad, first, total = torch.stack([(lengths < 0).any().long(), bad_pad.long(), layout[0],
-                                                    layout[-1]]).tolist()
+    lengths = cu[1:] - cu[:-1]
+    bad_order, bad_pad, first, total = torch.stack([(lengths < 0).any().long(),
+                                                    ((layout[1:] - layout[:-1]) < lengths).any().long(),
+                                                    layout[0], layout[-1]]).tolist()
     return bool(bad_order), bool(bad_pad), int(first), int(total)
 
 

@@ -27,7 +27,7 @@ import torch
 __all__ = ["CP_SHARDS_ATTR", "VISIBILITY_ATTR", "NO_GRAD_TRAINING_HINT", "carrier", "as_carrier", "state", "graph_task", "RecomputeCheck"]
 
 CP_SHARDS_ATTR = "_glm5_dsa_cp_shards"  # {(cp group, layout, rows, batch, device): the micro batch's CP shard}
-VISIBILITY_ATTR = "_glm5_dsa_visibility"  # {"packed": (boundaries' identity, their Visibility)}
+VISIBILITY_ATTR = "_glm5_dsa_visibility"  # {"packed": (boundaries' identity, the boundaries, their Visibility)}
 # the other cause of a failed pairing (see RecomputeCheck), ending the refusals that it can explain
 NO_GRAD_TRAINING_HINT = ("(A forward under torch.no_grad() in training mode that is never recomputed, such as "
                          "log-probs computed without model.eval(), is taken for a recompute's first pass and also "
