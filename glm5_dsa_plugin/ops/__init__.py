@@ -3,10 +3,11 @@
 from .backends import explain_auto, get_backend, register_backend, registered_backends, unregister_backend
 from .contract import EMPTY_ROW_LSE, SparseMLAInputError
 from .guard import configure, policy as guard_policy, reset_stats as reset_guard_stats, stats as guard_stats
-from .op import sparse_mla
+from .op import SlotProbsGrad, sparse_mla
 
 __all__ = [
     "EMPTY_ROW_LSE",
+    "SlotProbsGrad",
     "SparseMLAInputError",
     "configure",
     "explain_auto",

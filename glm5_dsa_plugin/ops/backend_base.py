@@ -53,8 +53,15 @@ class Backend:
 
     def backward_saved(self, q, saved, out, lse, grad_out, prob: Problem, nonfinite_flag=None):
         """-> (dq, dkv) from :meth:`forward_saving`'s ``saved``; ``nonfinite_flag`` only when
-        :attr:`reports_nonfinite`."""
+        :attr:`reports_nonfinite`; ``head_probs`` only where :meth:`head_probs_in_backward`."""
         return self.backward(q, *saved, out, lse, grad_out, prob)
+
+    def head_probs_in_backward(self, saved: tuple, prob: Problem) -> bool:
+        """Whether :meth:`backward_saved` also takes ``head_probs`` (fp32 [B, T, G, topk],
+        zero-filled) for this call and fills it with each slot's attention probabilities summed
+        over the group's heads, as part of the backward (``op.SlotProbsGrad``). The default: no;
+        the op then computes them after the backward."""
+        return False
 
     def originals(self, saved: tuple, prob: Problem):
         """(kv, indices) of the call that returned ``saved``, as the caller passed them (the

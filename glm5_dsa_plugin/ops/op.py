@@ -2,13 +2,45 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from . import backends as _backends
 from . import guard as _guard
+from . import reference as _reference
 from .contract import canonicalize, check_indices
 
-__all__ = ["sparse_mla"]
+__all__ = ["sparse_mla", "SlotProbsGrad"]
+
+
+@dataclass(frozen=True)
+class SlotProbsGrad:
+    """A loss on the attention's slot probabilities, differentiated in the attention's backward.
+
+    ``input``: the tensor that loss differentiates (the DSA indexer's logits at the slots), with a
+    graph of its own. ``grad_from(p)``: called once in the backward with
+    ``p [.., T, G, topk]`` fp32 (batched as the call's q), each slot's attention probability
+    summed over the kv group's heads, ``sum_h exp(sm_scale * q_h . kv[idx] - lse_h)``, 0 at
+    padding; returns the gradient of ``input`` (its shape). The indexer loss's target is ``p``:
+    formed inside the backward kernel where the backend can (no second pass over the selected kv
+    rows), so nothing of it is computed or kept in the forward."""
+
+    input: torch.Tensor
+    grad_from: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _slot_probs(backend, q, saved, lse, prob) -> torch.Tensor:
+    """p [B, T, G, topk] (see SlotProbsGrad) where the backward did not form it: the Triton kernel
+    on CUDA for one batch of one kv group, else the PyTorch definition."""
+    kv, indices = backend.originals(saved, prob)
+    if q.is_cuda and prob.batch == 1 and prob.kv_groups == 1 and q.dtype != torch.float64:
+        from .indexer.attention_target import head_prob_sum
+
+        p = head_prob_sum(q[0], kv[0, :, 0], lse[0], indices[0, :, 0].to(torch.int32).contiguous(), prob.sm_scale)
+        return p.view(1, prob.seq_len, 1, prob.topk)
+    return _reference.slot_probs(q, kv, indices, lse, prob.sm_scale)
 
 
 class _SparseMLAFunction(torch.autograd.Function):
@@ -16,12 +48,13 @@ class _SparseMLAFunction(torch.autograd.Function):
     guard's forward directly (``sparse_mla``)."""
 
     @staticmethod
-    def forward(ctx, q, kv, indices, prob, backend, defer_index_check):
+    def forward(ctx, q, kv, indices, prob, backend, defer_index_check, slot_input, slot_grad):
         out, lse, saved, ctx.pending_flags = _guard.run_forward(backend, q, kv, indices, prob,
                                                                 defer_index_check, backward_follows=True)
         # saved replaces (kv, indices): a backend's prepared inputs are built once per call
         ctx.save_for_backward(q, out, lse, *saved)
         ctx.prob, ctx.backend = prob, backend
+        ctx.slot_grad = slot_grad  # (its input is slot_input, an input of this node)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (one fill per backward)
         return out, lse
@@ -29,15 +62,26 @@ class _SparseMLAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, out, lse, *saved = ctx.saved_tensors
-        dq = dkv = None
+        saved, prob, slot_grad = tuple(saved), ctx.prob, ctx.slot_grad
+        dq = dkv = probs = None
+        if slot_grad is not None and grad_out is not None and ctx.backend.head_probs_in_backward(saved, prob):
+            probs = torch.zeros(prob.batch, prob.seq_len, prob.kv_groups, prob.topk, dtype=torch.float32,
+                                device=q.device)
         if grad_out is not None:
-            dq, dkv = _guard.run_backward(ctx.backend, q, tuple(saved), ctx.prob, out, lse, grad_out.contiguous())
+            dq, dkv = _guard.run_backward(ctx.backend, q, saved, prob, out, lse, grad_out.contiguous(),
+                                          head_probs=probs)
         if ctx.pending_flags is not None:
             # the forward's index / finiteness flags, read only now that the backward's kernels are
             # queued (its forward finished long ago): raises here, before any gradient is returned
             _guard.settle_through(ctx.pending_flags)
             ctx.pending_flags = None  # its closure holds q / kv / indices: not past this backward
-        return dq, dkv, None, None, None, None
+        d_slot = None
+        if slot_grad is not None:
+            ctx.slot_grad = None  # (a second backward through this node is refused by autograd)
+            if probs is None:
+                probs = _slot_probs(ctx.backend, q, saved, lse, prob)
+            d_slot = slot_grad.grad_from(probs if prob.batched_input else probs[0])
+        return dq, dkv, None, None, None, None, d_slot, None
 
 
 def sparse_mla(
@@ -50,6 +94,7 @@ def sparse_mla(
     *,
     validate: bool = True,
     deterministic: bool = False,
+    slot_probs_grad: SlotProbsGrad | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse multi-head latent attention over top-k selected keys (GLM-5 / DeepSeek DSA).
 
@@ -81,6 +126,9 @@ def sparse_mla(
             reference is deterministic on CPU, and on CUDA under torch.use_deterministic_algorithms).
             The forward is deterministic either way. The Megatron attention module passes
             ``config.deterministic_mode``.
+        slot_probs_grad: a loss on the slot probabilities (:class:`SlotProbsGrad`, the DSA
+            indexer loss) whose gradient the backward forms: its ``input`` gets the gradient
+            ``grad_from`` returns. Ignored when nothing is differentiated.
 
     Returns:
         ``out [.., T, H, d_v]`` in q's dtype, where for row t, head h:
@@ -101,9 +149,12 @@ def sparse_mla(
     defer = validate and impl.memory_safe_on_any_index
     if validate and not defer:
         check_indices(idx4, prob.seq_len_kv)
-    backward_follows = torch.is_grad_enabled() and (q4.requires_grad or kv4.requires_grad)
+    slot_input = slot_probs_grad.input if slot_probs_grad is not None else None
+    backward_follows = torch.is_grad_enabled() and (q4.requires_grad or kv4.requires_grad or (
+        slot_input is not None and slot_input.requires_grad))
     if backward_follows:
-        out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, prob, impl, defer)
+        out, lse = _SparseMLAFunction.apply(q4, kv4, idx4, prob, impl, defer, slot_input,
+                                            slot_probs_grad if slot_input is not None else None)
     else:  # nothing to differentiate: no autograd node (its bookkeeping is host time on every call)
         out, lse, _, _ = _guard.run_forward(impl, q4, kv4, idx4, prob, defer, False)
     if not prob.batched_input:

@@ -12,7 +12,7 @@ import torch
 
 from .contract import EMPTY_ROW_LSE
 
-__all__ = ["forward", "backward", "live_slot_columns"]
+__all__ = ["forward", "backward", "live_slot_columns", "slot_probs"]
 
 # Elements of fp32 scratch per chunk (gathered kv + scores); ~256 MiB.
 _CHUNK_BUDGET = 1 << 26
@@ -141,3 +141,27 @@ def backward(q, kv, indices, grad_out, sm_scale: float, d_v: int, rows: torch.Te
             acc.index_add_(0, flat.reshape(-1), dsel.reshape(-1, Dqk))
             dkv[b] = acc.view(G, T_kv, Dqk).permute(1, 0, 2)
     return dq.to(q.dtype), dkv.to(kv.dtype)
+
+
+def slot_probs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor,
+               sm_scale: float) -> torch.Tensor:
+    """fp32 [B, T, G, K]: at each slot, the attention probability exp(sm_scale * q . kv[idx] - lse)
+    summed over the kv group's heads; 0 at padding. q [B, T, H, Dqk], kv [B, T_kv, G, Dqk],
+    indices [B, T, G, K], lse [B, T, H] (the forward's, natural log). A row whose slots all
+    hold keys sums to its group's head count."""
+    B, T, H, D = q.shape
+    G, K = kv.shape[2], indices.shape[-1]
+    hg, cdt = H // G, _compute_dtype(q.dtype)
+    out = torch.zeros(B, T, G, K, dtype=torch.float32, device=q.device)
+    chunk = _row_chunk(G, H, K, D)
+    with torch.no_grad():
+        for b in range(B):
+            for t0 in range(0, T, chunk):
+                t1 = min(T, t0 + chunk)
+                sel, valid = _gather(kv[b], indices[b, t0:t1], cdt)  # [G, C, K, D], [G, C, K]
+                qg = q[b, t0:t1].to(cdt).view(t1 - t0, G, hg, D).permute(1, 0, 2, 3)  # [G, C, hg, D]
+                s = torch.einsum("gchd,gckd->gchk", qg, sel) * sm_scale
+                norm = lse[b, t0:t1].to(cdt).view(t1 - t0, G, hg).permute(1, 0, 2)[..., None]
+                p = torch.exp(s - norm).masked_fill(~valid[:, :, None, :], 0).sum(2)  # [G, C, K]
+                out[b, t0:t1] = p.permute(1, 0, 2).float()
+    return out

@@ -207,7 +207,8 @@ def test_nan_guard_regions_untouched(H, K, buckets_64, R, ws):
     bwd = (sparse_mla_bwd_ws_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R) if ws
            else sparse_mla_bwd_kernel(H, 512, 64, K, 1, SCALE, rows_per_block=R))
     flags = torch.zeros(1, dtype=torch.int32, device="cuda")  # the warp-specialised backward's nonfinite flag
-    ws_flag = (flags,) if ws else ()
+    # (and its HeadProbs argument, unused without head_probs: a one-element placeholder)
+    ws_flag = (flags, torch.zeros(1, device="cuda")) if ws else ()
     if R == 1:
         _, raw = guarded(idx.shape, torch.int32, idx)
         bwd(q, kv, do, raw, lse, out, extent, raw, dq, dkv, *ws_flag)

@@ -96,22 +96,26 @@ def _settle_forward_event(values: list[int], call: tuple) -> None:
                                recompute_bad, values[Flag.ROWS_REPAIRED], bool(values[Flag.STILL_NONFINITE]))
 
 
-def _backward(backend, q, saved, out, lse, grad_out, prob, flags):
-    """-> (dq, dkv) with flags[NONFINITE] set when either is nonfinite (``flags`` None: no check)."""
+def _backward(backend, q, saved, out, lse, grad_out, prob, flags, head_probs=None):
+    """-> (dq, dkv) with flags[NONFINITE] set when either is nonfinite (``flags`` None: no check);
+    ``head_probs`` (where the backend forms them, ``Backend.head_probs_in_backward``) filled too."""
     own = flags is not None and backend.reports_nonfinite
-    dq, dkv = backend.backward_saved(q, saved, out, lse, grad_out, prob,
-                                     **({"nonfinite_flag": flags[Flag.NONFINITE : Flag.NONFINITE + 1]} if own else {}))
+    extra = {"nonfinite_flag": flags[Flag.NONFINITE : Flag.NONFINITE + 1]} if own else {}
+    if head_probs is not None:
+        extra["head_probs"] = head_probs
+    dq, dkv = backend.backward_saved(q, saved, out, lse, grad_out, prob, **extra)
     if flags is not None and not own:
         flag_nonfinite(flags, Flag.NONFINITE, dq, dkv)
     return dq, dkv
 
 
-def run_backward(backend, q, saved, prob, out, lse, grad_out):
-    """Backward from the forward's ``saved`` tensors (``prob``: the forward's ``contract.Problem``)."""
+def run_backward(backend, q, saved, prob, out, lse, grad_out, head_probs=None):
+    """Backward from the forward's ``saved`` tensors (``prob``: the forward's ``contract.Problem``);
+    ``head_probs``: see ``Backend.backward_saved`` (rows the guard repairs keep the kernel's)."""
     if cfg.policy == "off" or backend.name == "reference":
-        return _backward(backend, q, saved, out, lse, grad_out, prob, None)
+        return _backward(backend, q, saved, out, lse, grad_out, prob, None, head_probs)
     flags = slots.new_flags(q.device)
-    dq, dkv = _backward(backend, q, saved, out, lse, grad_out, prob, flags)
+    dq, dkv = _backward(backend, q, saved, out, lse, grad_out, prob, flags, head_probs)
     events.counters.calls_checked += 1
     if cfg.policy == "fallback" and slots.reads_late(q.device):
         from .row_repair import repair_backward_rows

@@ -125,6 +125,7 @@ class TileLangBackend(Backend):
         self._block_counts: dict[tuple, BlockCountsOfLastCall] = {}
         self._row_group_choice: dict[tuple, RowGroupChoice] = {}
         self._scratch_flags: dict[torch.device, torch.Tensor] = {}
+        self._scratch_probs: dict[torch.device, torch.Tensor] = {}  # the backward's unused HeadProbs
         self._built_plans: set[tuple] = set()  # forward plans whose kernels were built (forward_kernels)
 
     def _with_choices(self, **changes) -> "TileLangBackend":
@@ -304,6 +305,19 @@ class TileLangBackend(Backend):
         it after the call)."""
         return self.forward_saving(q, kv, indices, prob, index_flag)[:2]
 
+    def _head_probs_out(self, head_probs, k_pad: int, device) -> torch.Tensor:
+        """The warp-specialised backward's ``HeadProbs`` argument: the caller's buffer (a
+        zero-filled padded copy when topk is not a multiple of the slot block), else a one-element
+        placeholder the kernel does not touch (one per device)."""
+        if head_probs is None:
+            placeholder = self._scratch_probs.get(device)
+            if placeholder is None:
+                placeholder = self._scratch_probs[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            return placeholder
+        if head_probs.shape[-1] == k_pad:
+            return head_probs
+        return head_probs.new_zeros(*head_probs.shape[:-1], k_pad)
+
     def _ws_backward_flag(self, device, nonfinite_flag=None) -> torch.Tensor:
         """The int32 [1] the warp-specialised backward sets when dq holds NaN / inf: the caller's
         ``nonfinite_flag``, else a scratch one (written, never read; one per device)."""
@@ -451,10 +465,20 @@ class TileLangBackend(Backend):
     def backward(self, q, kv, indices, out, lse, grad_out, prob: Problem):
         return self.backward_saved(q, self.save(kv, indices, prob), out, lse, grad_out, prob)
 
-    def backward_saved(self, q, saved, out, lse, grad_out, prob: Problem, nonfinite_flag=None):
+    def head_probs_in_backward(self, saved, prob: Problem) -> bool:
+        """Whether :meth:`backward_saved` can fill ``head_probs`` for this call: the warp-specialised
+        backward with atomic dKV on one-row blocks of exactly 64 heads per kv group (one block
+        holds all of a row's heads, so the column sums need no second pass)."""
+        G, hg, hg_pad = self._geometry(prob, BWD_MIN_HEADS)
+        return (hg_pad == 64 and len(saved) == 3 and not self.deterministic
+                and self._warp_specialized(hg_pad, False, backward=True))
+
+    def backward_saved(self, q, saved, out, lse, grad_out, prob: Problem, nonfinite_flag=None, head_probs=None):
         """-> (dq, dkv) from :meth:`save`'s tensors; ``nonfinite_flag`` (int32 [1], device) becomes
         nonzero when dq or dkv holds NaN/inf (dq tested in the warp-specialised kernel's registers,
-        else in the dKV conversion pass with dkv; no extra launch)."""
+        else in the dKV conversion pass with dkv; no extra launch). ``head_probs`` (only where
+        :meth:`head_probs_in_backward`): fp32 [B, T, G, topk] zero-filled, receives each slot's
+        attention probabilities summed over the group's heads (0 at padding)."""
         from .bwd import sparse_mla_bwd_kernel
         from .bwd_ws import sparse_mla_bwd_ws_kernel
 
@@ -478,16 +502,26 @@ class TileLangBackend(Backend):
         else:
             k_pad = padded_topk(prob.topk)  # (the caller's indices may be unpadded: row groups)
             ws = self._warp_specialized(hg_pad, R > 1, backward=True)
+            if head_probs is not None:
+                if not self.head_probs_in_backward(saved, prob):
+                    raise ValueError("head_probs: this call's backward cannot fill them (head_probs_in_backward)")
+                if head_probs.shape != (prob.batch, T, G, prob.topk) or head_probs.dtype != torch.float32:
+                    raise ValueError(f"head_probs must be fp32 {(prob.batch, T, G, prob.topk)}, got "
+                                     f"{head_probs.dtype} {tuple(head_probs.shape)}")
             if ws:
-                kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, prob.d_tail, k_pad, G, prob.sm_scale, rows_per_block=R)
+                kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, prob.d_tail, k_pad, G, prob.sm_scale, rows_per_block=R,
+                                                  head_probs=head_probs is not None)
             else:
                 kernel = sparse_mla_bwd_kernel(Hp, d_v, prob.d_tail, k_pad, G, prob.sm_scale, self._choices.safe,
                                                **({"rows_per_block": R} if R > 1 else {}))
             dq = torch.empty_like(qp)
             dkv = torch.zeros(kv_k.shape, dtype=torch.float32, device=q.device)
             if T > 0:
-                flag = (self._ws_backward_flag(q.device, nonfinite_flag),) if ws else ()
+                flag = (self._ws_backward_flag(q.device, nonfinite_flag), self._head_probs_out(head_probs, k_pad, q.device)) \
+                    if ws else ()
                 kernel(qp, kv_k, dop, keys, lsep, outp, ext, members, dq, dkv, *flag)
+                if head_probs is not None and flag[1] is not head_probs:
+                    head_probs.copy_(flag[1][..., : prob.topk])
             dq_checked = ws and T > 0
         dq = unpad_heads(dq, G, hg, hg_pad)
         return dq, finish_backward(dkv, n_kv, kv_k.dtype, None if dq_checked else dq, nonfinite_flag)
@@ -518,7 +552,7 @@ class TileLangBackend(Backend):
         if ws:
             kernel = sparse_mla_bwd_ws_kernel(Hp, d_v, prob.d_tail, K // R, G, prob.sm_scale, rows_per_block=R,
                                               dkv_per_slot=True)
-            flag = (self._ws_backward_flag(qp.device, nonfinite_flag),)
+            flag = (self._ws_backward_flag(qp.device, nonfinite_flag), self._head_probs_out(None, K, qp.device))
         elif R == 1:
             kernel = sparse_mla_bwd_kernel(Hp, d_v, prob.d_tail, K, G, prob.sm_scale, self._choices.safe,
                                            dkv_per_slot=True)

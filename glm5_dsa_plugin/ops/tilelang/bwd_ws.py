@@ -52,7 +52,7 @@ def _load_tile(dst, src, b, s, h0, seq_len, load_rows, rows, split, width, src_c
 
 @built_once
 def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_per_block=1, target="cuda",
-                             mma_regs=224, producer_regs=56, dkv_per_slot=False):
+                             mma_regs=224, producer_regs=56, dkv_per_slot=False, head_probs=False):
     """Warp-specialised backward for 64-row tiles; the same tensors and results as
     ``sparse_mla_bwd_kernel`` (safe mode, atomic dKV), plus ``Flags`` (set when dq holds NaN /
     inf). 384 threads in three warpgroups. ``dkv_per_slot`` (deterministic mode): no atomics; dKV
@@ -61,6 +61,13 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     over its member rows; KS, at least the longest list's extent, is the caller's) and receives
     each valid slot's contribution (the drain stores the staged chunk rows; slots past a row's
     (group's) last valid one, and padding slots, are not written).
+
+    ``head_probs`` (R = 1): one more output, ``HeadProbs`` [B, T, G, topk] fp32, zero-filled by the
+    caller: HeadProbs[b, t, g, j] = sum over the group's heads of P = exp(scale * q . kv[idx_j] - lse)
+    at every slot of the row's slot blocks (0 at padding), the indexer loss's target. One warp of
+    the gather warpgroup sums the columns of the fp32 P that warpgroup 0 stages for dS (right after
+    it issues the next block's gather), so the target needs no S recomputation and no kv gathers of
+    its own; warpgroup 0 rewrites P only after that warp, too, arrived at the step's barrier.
 
     Per 32-slot block, the two MMA warpgroups split the score side: warpgroup 0 computes
     S = Q K^T and P, warpgroup 1 dP = dO V^T and then dS from P (handed over in fp32 through
@@ -91,6 +98,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
     measured against its alternative."""
     R = rows_per_block
     assert heads % kv_group == 0 and d_tail == 64 and d_v % 128 == 0
+    assert not head_probs or R == 1, "head_probs: one query row per block"
     hg = heads // kv_group
     h_blk, nh = row_group_geometry(hg, R)
     assert h_blk == 64, "the warp-specialised backward runs 64-row tiles"
@@ -227,6 +235,18 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                     T.atomic_addx4(w.dKV[w.b, w.drain_keys[r], w.g, (c * HALF + k) * 64 + d], w.drain_vals[r * 4])
 
     @T.macro
+    def head_prob_block(w, blk):
+        # the first warp of warpgroup 2: column sums of block blk's fp32 P (warpgroup 0 staged it before
+        # p_ready; it rewrites it only after step_done, which this warp's arrival completes)
+        tp = w.tx - 256
+        T.barrier_wait(w.p_ready, blk & 1)
+        w.col_sum[0] = 0.0
+        for h in T.serial(h_blk):
+            w.col_sum[0] = w.col_sum[0] + w.p32_s[h, tp]
+        w.HeadProbs[w.b, w.s, w.g, blk * BS + tp] = w.col_sum[0]
+        T.barrier_arrive(w.step_done)
+
+    @T.macro
     def step(w, blk):
         T.barrier_wait(w.full, blk & 1)
         if w.tx < 128:
@@ -287,6 +307,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
         dQ: T.Tensor([B, S, heads, D + DT], dtype),
         dKV: T.Tensor(dkv_shape, acc),
         Flags: T.Tensor([1], T.int32),
+        HeadProbs: T.Tensor([B, S, kv_group, K] if head_probs else [1], acc),
     ):
         with T.Kernel(NG, B, kv_group * nh, threads=THREADS) as (bx, b, bz):
             q_s = T.alloc_shared([h_blk, QW], dtype)
@@ -327,7 +348,9 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             ch_free01 = T.alloc_barrier(arrive_count=128)
             ch_free10 = T.alloc_barrier(arrive_count=128)
             ch_free11 = T.alloc_barrier(arrive_count=128)
-            step_done = T.alloc_barrier(arrive_count=256)
+            # (with head_probs, the warp of warpgroup 2 that reads P arrives too)
+            step_done = T.alloc_barrier(arrive_count=256 + (BS if head_probs else 0))
+            col_sum = T.alloc_local([1], acc)  # head_probs: a thread's column sum of P
             drain_keys = T.alloc_local([BS * 16 // 128], T.int32)  # a drain thread's slot keys of a chunk
             drain_vals = T.alloc_local([BS * 16 // 32], acc)  # and its values of the chunk (4 x 16 bytes)
 
@@ -348,7 +371,8 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                                 ch_s=(ch_s0, ch_s1), acc_t=(acc_t0, acc_t1), acc_t2=(acc_t0b, acc_t1b),
                                 ch_full=((ch_full00, ch_full01), (ch_full10, ch_full11)),
                                 ch_free=((ch_free00, ch_free01), (ch_free10, ch_free11)),
-                                step_done=step_done, drain_keys=drain_keys, drain_vals=drain_vals)
+                                step_done=step_done, drain_keys=drain_keys, drain_vals=drain_vals,
+                                HeadProbs=HeadProbs, col_sum=col_sum)
             # the gather warpgroup starts block 0's kv rows before the prologue loads
             if tx >= 256:
                 if nb > 0:
@@ -397,6 +421,9 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                     if i + 1 < nb:
                         T.barrier_wait(kv_free, i & 1)
                         gather(w, i + 1)
+                    if head_probs:
+                        if tx < 256 + BS:
+                            head_prob_block(w, i)
                     for k in T.unroll(N_OWN[1]):
                         if k < N_OWN[0]:
                             drain_chunk(w, i, 0, k)
