@@ -117,7 +117,9 @@ def model_flops(dims, layer: str, T: int) -> float:
     return layer_parts(dims, layer, T)["total"]
 
 
-# the breakdown's parts: model-FLOPs parts of :mod:`glm5_dsa_plugin.model.flops` each covers
+# the breakdown's parts: model-FLOPs parts of :mod:`glm5_dsa_plugin.model.flops` each covers (the
+# loss's target, ``indexer_target``, is formed in the sparse-MLA backward from its own probabilities:
+# no floor of its own)
 PART_FLOPS = {"indexer": ("indexer_projections",), "topk": ("indexer_scores",), "sparse_mla": ("sparse_mla",),
               "indexer_loss": ("indexer_loss",), "projections_mlp": ("projections", "mlp", "moe")}
 
@@ -140,10 +142,11 @@ def part_bytes(dims, layer: str, T: int) -> dict:
         "indexer": 2 * (3 * T * (h + d["q_lora_rank"]) + 2 * idx_act),
         # q, k, w read; the indices written
         "topk": 2 * idx_act + 4 * T * K,
-        # q and kv read twice, their gradients written; o written, o and do read; indices read twice; lse out and in
-        "sparse_mla": 2 * (3 * T * H * dqk + 3 * T * dqk + 3 * T * H * dv) + 2 * 4 * T * K + 2 * 4 * T * H,
-        # indexer q, k, w read twice, gradients written; attention q, kv and lse read once; indices read 3 times
-        "indexer_loss": 2 * (3 * idx_act + T * H * dqk + T * dqk) + 4 * (3 * T * K + T * H),
+        # q and kv read twice, their gradients written; o written, o and do read; indices read twice; lse out and
+        # in; the loss's target (fp32 [T, K]) written
+        "sparse_mla": 2 * (3 * T * H * dqk + 3 * T * dqk + 3 * T * H * dv) + 3 * 4 * T * K + 2 * 4 * T * H,
+        # indexer q, k, w read twice, gradients written; the target read, indices read 3 times
+        "indexer_loss": 2 * 3 * idx_act + 4 * (4 * T * K),
         # the linears' weights read in fwd and bwd, their gradients written; the layer's input, output and gradients
         "projections_mlp": 2 * 3 * params + 2 * 4 * T * h,
     }
@@ -216,7 +219,7 @@ def reset_index_holders(cfg):
 def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     """Each DSA part of our layer timed alone at the layer's shapes (fwd + bwd where it has one)."""
     from glm5_dsa_plugin.model import indexer
-    from glm5_dsa_plugin.ops import sparse_mla
+    from glm5_dsa_plugin.ops import SlotProbsGrad, sparse_mla
 
     attn = lay.self_attention
     core = attn.core_attention
@@ -242,18 +245,25 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     kv = (torch.randn(T, 1, dqk, device=device, generator=gen) * 0.5).to(x.dtype).requires_grad_(True)
     g = torch.randn(T, H, dv, device=device, generator=gen).to(x.dtype)
 
-    def mla():
-        o, _ = sparse_mla(q, kv, att_idx[:, None], core.softmax_scale, d_v=dv, backend=core.backend, validate=False)
+    logits_leaf = torch.zeros(T, att_idx.shape[-1], device=device, requires_grad=True)
+    kept = {}
+
+    def keep_target(p):  # the slot probabilities the attention's backward hands the loss
+        kept["target"] = p[:, 0]
+        return torch.zeros_like(p[:, 0])
+
+    def mla():  # as the layer calls it: the loss's target formed in this backward
+        o, _ = sparse_mla(q, kv, att_idx[:, None], core.softmax_scale, d_v=dv, backend=core.backend, validate=False,
+                          slot_probs_grad=SlotProbsGrad(logits_leaf, keep_target))
         o.backward(g)
     out["sparse_mla"] = timed(mla, warmup, rep, device)
-    with torch.no_grad():
-        _, lse = sparse_mla(q, kv, att_idx[:, None], core.softmax_scale, d_v=dv, backend=core.backend, validate=False)
+    target = kept["target"]
     qil, kil, wil = (t.detach().requires_grad_(True) for t in (qi, ki, wi))
 
-    def loss():
+    def loss():  # the indexer's logits at the slots, the KL against that target, their backward
         logits = indexer.selected_scores(qil, kil, wil, att_idx)
-        indexer.indexer_kl_loss(logits, q.detach(), kv.detach()[:, 0], att_idx, core.softmax_scale, 1e-3,
-                                lse=lse).backward()
+        _, grad = indexer.indexer_kl_loss_and_grad(logits, target.clone(), att_idx, 1e-3)
+        logits.backward(grad)
     out["indexer_loss"] = timed(loss, warmup, rep, device)
     return out
 

@@ -83,3 +83,18 @@ def bridge_cpu_provider(path, model="gpt"):
     prov.finalize()
     prov._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     return b, prov
+
+
+def core_attention(cfg, softmax_scale=32**-0.5, layer_number=1):
+    """Our DSA core attention as the spec builds it (seed 0), on megatron's process groups."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
+    from glm5_dsa_plugin.megatron.spec import dsa_attention_spec
+
+    core_spec = dsa_attention_spec(cfg).submodules.core_attention
+    torch.manual_seed(0)
+    return build_module(core_spec, config=cfg, layer_number=layer_number, attn_mask_type=AttnMaskType.causal,
+                        attention_type="self", softmax_scale=softmax_scale,
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]))

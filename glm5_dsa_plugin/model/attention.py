@@ -40,7 +40,7 @@ from .dsa_fields import check_dsa_config, dsa_geometry
 from . import micro_batch
 from .shared_topk import SharedTopk, StaleMicroBatchStateError
 from .switches import apply_guard_policy, resolve_switches
-from ..ops import guard_policy, sparse_mla
+from ..ops import SlotProbsGrad, guard_policy, sparse_mla
 from ..ops.fp8_kv import fake_quant_kv
 from .value_projection import value_up_projection
 
@@ -256,12 +256,11 @@ class GLM5DSAttention(MegatronModule):
         G = kv_att.shape[1]
         # The indices come from our own top-k. With the guard on, validating them is free (read with
         # the guard's flag); with GLM5_DSA_NONFINITE=off the attention reads no device flag at all.
-        out, lse = sparse_mla(q_att, kv_att, att_idx[:, None, :].expand(-1, G, -1).contiguous(),
+        # The indexer loss is formed in the attention's backward, from the probabilities it forms.
+        loss_grad = self._indexer_loss_grad(index_logits, att_idx) if index_logits is not None else None
+        out, _ = sparse_mla(q_att, kv_att, att_idx[:, None, :].expand(-1, G, -1).contiguous(),
                             self.softmax_scale, d_v=d_v, backend=backend, validate=guard_policy() != "off",
-                            deterministic=self.switches.deterministic)  # [b*s, H, d_v]
-        if index_logits is not None:
-            kv_loss = kv_att[:, 0] if G == 1 else kv_att  # un-absorbed MLA: per-head keys
-            out = self._attach_indexer_loss(out, index_logits, q_att, kv_loss, att_idx, lse)
+                            deterministic=self.switches.deterministic, slot_probs_grad=loss_grad)  # [b*s, H, d_v]
         if value is None:
             out = value_up_projection(out, up_v_weight.to(out.dtype))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, H * v]
@@ -380,26 +379,32 @@ class GLM5DSAttention(MegatronModule):
             replay._rows_checked = True
         return t
 
-    def _attach_indexer_loss(self, out, index_logits, q_att, kv_att, indices, lse):
-        """The sparse KL loss of megatron-core (``sparse_loss=True``), attached to ``out`` for backward.
-        kv_att [T_kv, D] (absorbed) or [T_kv, H, D]; the target reuses the attention's lse [T, H]."""
+    def _indexer_loss_grad(self, index_logits, indices) -> SlotProbsGrad:
+        """The sparse KL loss of megatron-core (``sparse_loss=True``) as the attention's backward forms
+        it: the target (the attention probabilities at the slots, summed over heads: over TP ranks
+        too, and over the per-head kv groups of un-absorbed MLA) comes from that backward, the
+        gradient of ``index_logits`` [T, topk] is scaled as ``DSAIndexerLossAutoScaler`` scales the
+        loss's, and the loss value is logged (and kept as ``last_indexer_loss``) there."""
         from megatron.core.transformer.experimental_attention_variant.dsa import (
             DSAIndexerLossAutoScaler,
             DSAIndexerLossLoggingHelper,
         )
 
         tp_group = getattr(self.pg_collection, "tp", None)
-        reduce = None
-        if get_pg_size(tp_group) > 1:  # heads are split over TP: the target sums all of them
-            def reduce(t):
-                torch.distributed.all_reduce(t, group=tp_group)
-                return t
-        loss = indexer.indexer_kl_loss(index_logits, q_att.detach(), kv_att.detach(), indices,
-                                  self.softmax_scale, self.config.dsa_indexer_loss_coeff, head_sum_reduce=reduce,
-                                  lse=lse.detach())
-        if torch.cuda.is_available():  # CP: each rank's loss covers its query rows; the log averages them
-            groups = indexer_loss_tracker_groups(getattr(self.pg_collection, "cp", None),
+        coeff = self.config.dsa_indexer_loss_coeff
+
+        def grad_from(probs):  # [T, G, topk] fp32, owned
+            target = probs[:, 0] if probs.shape[1] == 1 else probs.sum(1)
+            if get_pg_size(tp_group) > 1:  # heads are split over TP: the target sums all of them
+                torch.distributed.all_reduce(target, group=tp_group)
+            loss, grad = indexer.indexer_kl_loss_and_grad(index_logits, target.contiguous(), indices, coeff)
+            if torch.cuda.is_available():  # CP: each rank's loss covers its query rows; the log averages them
+                groups = indexer_loss_tracker_groups(getattr(self.pg_collection, "cp", None),
                                                      bool(getattr(self.config, "calculate_per_token_loss", False)))
-            DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, self.config.num_layers, **groups)
-        self.last_indexer_loss = loss.detach()
-        return DSAIndexerLossAutoScaler.apply(out, loss)
+                DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, self.config.num_layers,
+                                                                 **groups)
+            self.last_indexer_loss = loss.detach()
+            scale = DSAIndexerLossAutoScaler.main_loss_backward_scale
+            return grad if scale is None else grad.mul_(scale.to(grad.device))
+
+        return SlotProbsGrad(index_logits, grad_from)

@@ -16,7 +16,9 @@ latent Dqk = kv_lora + rope (576 for GLM-5) and Dv = kv_lora (512):
     sparse_mla           3 * 2 * S * H * (Dqk + Dv)   S = selected pairs = sum_t min(K, t + 1)
     indexer_scores       2 * V * Hi * Di               V = visible pairs = sum L (L + 1) / 2; no gradient
     indexer_loss         2 * S * Hi * Di * 3           (selected-slot logits, their dq and dk)
-                         + 2 * S * H * Dqk             (the attention target: q . kv again, no gradient)
+    indexer_target       2 * S * H * Dqk               (the loss's target: q . kv again, no gradient; the
+                                                        attention backward forms it from its own P where
+                                                        its kernel can, so a floor leaves it out)
 
 The absorbed attention's per-head q and value up-projections cost exactly the kv up-projection's
 FLOPs, so ``projections`` counts that matrix once. A layer that reuses another layer's indices
@@ -46,7 +48,8 @@ DEVICE_PEAKS = (
     ("H20", 148e12, 4.0e12),
 )
 
-LAYER_PARTS = ("projections", "indexer_projections", "mlp", "moe", "sparse_mla", "indexer_scores", "indexer_loss")
+LAYER_PARTS = ("projections", "indexer_projections", "mlp", "moe", "sparse_mla", "indexer_scores", "indexer_loss",
+               "indexer_target")
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,8 @@ def layer_flops(shape: DSAShape, seq_lens, moe: bool = False, computes_indices: 
         out["indexer_projections"] = 6.0 * T * idx_params
         out["indexer_scores"] = 2.0 * V * Hi * Di
         if indexer_loss:
-            out["indexer_loss"] = 6.0 * S * Hi * Di + 2.0 * S * H * dqk
+            out["indexer_loss"] = 6.0 * S * Hi * Di
+            out["indexer_target"] = 2.0 * S * H * dqk
     out["total"] = sum(out[p] for p in LAYER_PARTS)
     return out
 

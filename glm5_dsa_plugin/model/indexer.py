@@ -31,7 +31,7 @@ __all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "de
            "INVISIBLE_KEY", "RADIX_MIN_KEYS", "topk_from_keys", "KEY_ORDER_MIN_KEYS", "slots_in_key_order",
            "reads_key_order", "attention_slot_order", "topk_row_block", "select_topk", "check_topk",
            "selected_scores_reference", "selected_scores", "attention_target_reference", "attention_target",
-           "indexer_kl_loss_from_target", "indexer_kl_loss", "computes_indices", "index_source_layer",
+           "indexer_kl_loss_from_target", "indexer_kl_loss", "indexer_kl_loss_and_grad", "computes_indices", "index_source_layer",
            "check_stage_layers"]
 
 _CHUNK_ELEMS = 1 << 25  # fp32 elements of [rows, Hi, T_kv] scratch per chunk
@@ -471,23 +471,7 @@ class _IndexerKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, indices, chunk_rows, eps):
         keep = ctx.needs_input_grad[0]
-        total = None
-        if _kernels_run_on(logits):
-            from ..ops.indexer import kl_rows
-
-            rows = _kernel_or_none(kl_rows.kl_rows, logits, target, indices.to(torch.int32).contiguous(), eps)
-            total = None if rows is None else rows.sum()
-        if total is None:
-            total = logits.new_zeros(())
-            for t0 in range(0, logits.shape[0], chunk_rows):
-                sl = slice(t0, t0 + chunk_rows)
-                valid = indices[sl] >= 0
-                p = target[sl].masked_fill_(~valid, 0.0)
-                p.div_(p.sum(-1, keepdim=True).clamp_min(eps))
-                logp = _masked_log_softmax(logits[sl], valid)
-                total += (p * (torch.log(p.clamp_min(eps)) - logp)).masked_fill(~valid, 0.0).sum()
-                if keep:
-                    p.copy_(logp.exp_().masked_fill_(~valid, 0.0).mul_(p.sum(-1, keepdim=True)).sub_(p))
+        total = _kl_sum_and_grad(logits, target, indices, chunk_rows, eps, keep)
         if keep:
             ctx.save_for_backward(target)
         ctx.scaled = False
@@ -501,6 +485,30 @@ class _IndexerKL(torch.autograd.Function):
         ctx.scaled = True
         (grad,) = ctx.saved_tensors
         return grad.mul_(g), None, None, None, None
+
+
+def _kl_sum_and_grad(logits: torch.Tensor, target: torch.Tensor, indices: torch.Tensor, chunk_rows: int, eps: float,
+                     keep: bool) -> torch.Tensor:
+    """sum_t KL(normalise(target_t) || softmax(logits_t)) over valid slots (a 0-dim fp32 tensor);
+    with ``keep`` the contiguous fp32 ``target`` [T, K] is overwritten with d(sum)/d(logits)
+    (see :class:`_IndexerKL`)."""
+    if _kernels_run_on(logits):
+        from ..ops.indexer import kl_rows
+
+        rows = _kernel_or_none(kl_rows.kl_rows, logits, target, indices.to(torch.int32).contiguous(), eps)
+        if rows is not None:
+            return rows.sum()
+    total = logits.new_zeros(())
+    for t0 in range(0, logits.shape[0], chunk_rows):
+        sl = slice(t0, t0 + chunk_rows)
+        valid = indices[sl] >= 0
+        p = target[sl].masked_fill_(~valid, 0.0)
+        p.div_(p.sum(-1, keepdim=True).clamp_min(eps))
+        logp = _masked_log_softmax(logits[sl], valid)
+        total += (p * (torch.log(p.clamp_min(eps)) - logp)).masked_fill(~valid, 0.0).sum()
+        if keep:
+            p.copy_(logp.exp_().masked_fill_(~valid, 0.0).mul_(p.sum(-1, keepdim=True)).sub_(p))
+    return total
 
 
 def _masked_log_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -523,6 +531,21 @@ def indexer_kl_loss_from_target(index_logits: torch.Tensor, target: torch.Tensor
         tgt = target.detach().to(torch.float32, copy=True).contiguous()  # a new buffer: _IndexerKL overwrites it
     kl = _IndexerKL.apply(index_logits.float(), tgt, indices, chunk_rows, eps)
     return kl / max(index_logits.shape[0], 1) * coeff
+
+
+def indexer_kl_loss_and_grad(index_logits: torch.Tensor, target: torch.Tensor, indices: torch.Tensor, coeff: float,
+                             eps: float = 1e-10, chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, d loss / d index_logits [T, K] fp32) of :func:`indexer_kl_loss_from_target`, formed
+    without autograd: what the attention's backward hands the indexer when it formed the target
+    itself (``ops.SlotProbsGrad``). ``target`` [T, K] fp32 contiguous is overwritten (it becomes
+    the returned gradient); ``index_logits`` is only read."""
+    if target.dtype != torch.float32 or not target.is_contiguous() or target.shape != index_logits.shape:
+        raise ValueError(f"target must be a contiguous fp32 {tuple(index_logits.shape)} buffer, got {target.dtype} "
+                         f"{tuple(target.shape)}")
+    rows = max(index_logits.shape[0], 1)
+    with torch.no_grad():
+        total = _kl_sum_and_grad(index_logits.detach().float(), target, indices, chunk_rows, eps, keep=True)
+    return total * (coeff / rows), target.mul_(coeff / rows)
 
 
 def indexer_kl_loss(index_logits: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,

@@ -27,8 +27,8 @@ def attention_activation_parts(card: dict, tp: int, cp: int, seq: int, computes:
       uint8 member byte per padded slot); an upper bound, since ``row_groups="auto"`` drops them
       for shapes whose rows share no key;
     * ``indexer``: the indexer's q, k and weights in a layer that computes indices;
-    * ``indexer_loss_grad``: the indexer loss's gradient wrt the selected-slot scores, [S_loc, K]
-      fp32, the one tensor the loss keeps (computed in its forward);
+    * ``indexer_loss_grad``: the indexer's logits at the selected slots, [S_loc, K] fp32, the one
+      tensor the loss keeps (the attention's backward forms the loss and its gradient from them);
       both 0 when the indexer is frozen (``indexer_trains=False``: LoRA without ``--lora-indexer``):
       its q / k / w then need no gradient, so neither the selected-slot scores nor the loss keep
       anything for the backward;
@@ -102,13 +102,14 @@ def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: 
       into global order (zigzag layout only; the contiguous layout gathers in global order);
     * ``topk``: one row block of the indexer's top-k over local query rows against all ``T`` keys
       (int64 keys, as ``select_topk`` sizes the block, and ``topk``'s int64 values and indices);
-    * ``indexer_loss``: the fused loss's forward: [S_loc, K] fp32 logits and raw target (the
-      normalised target becomes the kept gradient, in :func:`attention_activation_parts`) and
-      one row block of the KL's temporaries; nothing of size [S_loc, K, D];
+    * ``indexer_loss``: the loss's forward: the [S_loc, K] fp32 logits at the slots (kept, in
+      :func:`attention_activation_parts`); nothing of size [S_loc, K, D];
     * ``backward``: the incoming gradient of the latent attention output [S_loc, H, kv_lora_rank],
       the gathered kv's gradient (TileLang's fp32 dKV plus its bf16 result; the zigzag layout's
       reorder buffer before the reduce-scatter), the guard's fp32 row-repair accumulator over the
-      gathered kv, the indexer keys' gradient (fp32 accumulator and result), the local dq, and
+      gathered kv, the indexer keys' gradient (fp32 accumulator and result), the local dq, the
+      loss's target [S_loc, K] fp32 (formed there, overwritten by the logits' gradient) and one
+      row block of the KL's temporaries, and
       what the guard keeps of the previous layer's backward until its flags are settled (its q,
       incoming gradient and prepared indices; nothing when they exceed ``pending_bytes``)."""
     H, Di = card["num_attention_heads"] // tp, card["index_head_dim"]
@@ -118,12 +119,13 @@ def attention_transient_parts(card: dict, tp: int, cp: int, seq: int, computes: 
     gather = dict(kv=T * dq * 2 * reorder, indexer_k=T * Di * 2 * reorder * computes)
     rows = min(S_loc, indexer.topk_row_block(T))
     topk = dict(keys=rows * T * 8, topk_out=rows * K * 16) if computes else {}
-    loss = dict(logits=S_loc * K * 4, target=S_loc * K * 4, kl_block=min(S_loc, 4096) * K * 4 * 4) if computes else {}
+    loss = dict(logits=S_loc * K * 4) if computes else {}
     backward = dict(d_out=S_loc * H * card["kv_lora_rank"] * 2,
                     dkv=sum(_sparse_mla_backward_bytes(card, H, S_loc, T).values()) + T * dq * 2 * reorder,
                     repair_acc=(T + 1) * dq * 4,
                     dq=S_loc * H * dq * 2, indexer_dk=(T * Di * (4 + 2 * (1 + reorder))) * computes,
-                    guard_pending=_guard_pending_bytes(card, H, S_loc, T))
+                    guard_pending=_guard_pending_bytes(card, H, S_loc, T),
+                    **(dict(target=S_loc * K * 4, kl_block=min(S_loc, 4096) * K * 4 * 4) if computes else {}))
     return dict(gather=gather, topk=topk, indexer_loss=loss, backward=backward)
 
 

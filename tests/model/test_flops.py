@@ -23,7 +23,8 @@ DENSE_5 = dict(
     moe=0,
     sparse_mla=6 * 12 * 2 * (6 + 4),  # Dqk = 4 + 2, Dv = 4 -> 1440
     indexer_scores=2 * 15 * 2 * 4,  # 240
-    indexer_loss=6 * 12 * 2 * 4 + 2 * 12 * 2 * 6,  # 576 + 288 = 864
+    indexer_loss=6 * 12 * 2 * 4,  # 576
+    indexer_target=2 * 12 * 2 * 6,  # 288
 )
 MOE_5 = 6 * 5 * (8 * 4 + 3 * 8 * 2 * (2 + 1))  # router 32 + experts 144 -> 5280
 
@@ -40,6 +41,7 @@ def test_moe_layer_and_a_layer_that_reuses_indices():
     assert moe["total"] == 14544 - 4320 + 5280
     reuse = flops.layer_flops(TINY, [5], moe=True, computes_indices=False)
     assert reuse["indexer_projections"] == reuse["indexer_scores"] == reuse["indexer_loss"] == 0
+    assert reuse["indexer_target"] == 0
     assert reuse["total"] == 5280 + 5280 + 1440
     assert flops.layer_flops(TINY, [5], indexer_loss=False)["total"] == 14544 - 864
 

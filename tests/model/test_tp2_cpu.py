@@ -13,22 +13,9 @@ import torch
 import torch.multiprocessing as mp
 
 from glm5_dsa_plugin.checkpoints import cards
+from tiny_models import core_attention
 
 S, B = 24, 2
-
-
-def _attention(cfg):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.spec_utils import build_module
-
-    from glm5_dsa_plugin.megatron.spec import dsa_attention_spec
-
-    core_spec = dsa_attention_spec(cfg).submodules.core_attention
-    torch.manual_seed(0)
-    return build_module(core_spec, config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                        attention_type="self", softmax_scale=32**-0.5,
-                        pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]))
 
 
 def _worker(rank, store, out_dir):
@@ -53,7 +40,7 @@ def _worker(rank, store, out_dir):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
         cfg = cards.card_to_transformer_config(card, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                                                mtp_num_layers=None)
-        att = _attention(cfg).train()
+        att = core_attention(cfg).train()
         h0, h1 = (0, H) if tp == 1 else (rank * H // 2, (rank + 1) * H // 2)
         rows = slice(None) if tp == 1 else slice(rank * S // 2, (rank + 1) * S // 2)
         q = query[:, :, h0:h1].clone().requires_grad_(True)
