@@ -220,13 +220,20 @@ def shard(group, layout: str, local_tokens: int, batch: int = 1, cu_seqlens: Opt
         vis = indexer.Visibility.uniform(batch, total // batch, device=device)
         bounds = units(layout, total, batch)
     else:
-        extent = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+        # the boundaries on the host in one read (a GPU copy waits for the queued work): checked and
+        # cut there, and handed to the visibility, which copies them back through pinned memory
+        n = cu_seqlens.numel()
+        both = [cu_seqlens.reshape(-1)] + ([cu_seqlens_padded.reshape(-1)] if cu_seqlens_padded is not None else [])
+        host = torch.cat([t.to(torch.int64) for t in both]).cpu()
+        cu_host, padded_host = host[:n], (host[n:] if cu_seqlens_padded is not None else None)
+        extent = padded_host if padded_host is not None else cu_host
         covered = int(extent[-1])
         if covered != total:
             name = "cu_seqlens_q_padded" if cu_seqlens_padded is not None else "cu_seqlens_q"
             raise ValueError(f"CP={cp}: {name}[-1] = {covered} global tokens, but this rank holds {local_tokens} "
                              f"rows ({total} over the CP group); cu_seqlens must describe the global packed sequence")
-        vis = indexer.Visibility.from_cu_seqlens(cu_seqlens, device=device, cu_seqlens_padded=cu_seqlens_padded)
+        vis = indexer.Visibility.from_cu_seqlens(cu_host, device=device if device is not None else cu_seqlens.device,
+                                                 cu_seqlens_padded=padded_host)
         bounds = units(layout, total, cu_seqlens=extent)
     rows = local_rows(bounds, cp, rank, layout)
     order = gather_order(bounds, cp, layout)
