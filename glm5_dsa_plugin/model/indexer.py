@@ -30,7 +30,7 @@ from ..ops.reference import live_slot_columns
 __all__ = ["rope_cos_sin", "apply_rope_first", "Visibility", "index_scores", "deterministic_topk", "score_keys",
            "INVISIBLE_KEY", "RADIX_MIN_KEYS", "topk_from_keys", "KEY_ORDER_MIN_KEYS", "slots_in_key_order",
            "reads_key_order", "attention_slot_order", "topk_row_block", "select_topk", "check_topk",
-           "selected_scores_reference", "selected_scores", "attention_target_reference", "attention_target",
+           "selected_scores_reference", "selected_scores", "attention_target_reference",
            "indexer_kl_loss_from_target", "indexer_kl_loss", "indexer_kl_loss_and_grad", "computes_indices", "index_source_layer",
            "check_stage_layers"]
 
@@ -445,18 +445,6 @@ def attention_target_reference(query: torch.Tensor, kv: torch.Tensor, indices: t
     return out
 
 
-def attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-                     lse: torch.Tensor | None = None) -> torch.Tensor:
-    """Head-summed attention probabilities at the selected slots, fp32 [T, K] (see
-    :func:`attention_target_reference`). With the attention forward's ``lse`` [T, H] on CUDA a Triton
-    kernel computes each slot's probabilities directly, exp(s - lse), streaming selected kv rows."""
-    if lse is not None and kv.dim() == 2 and _kernels_run_on(query):
-        from ..ops.indexer.attention_target import head_prob_sum
-
-        return head_prob_sum(query, kv, lse, indices.to(torch.int32).contiguous(), sm_scale)
-    return attention_target_reference(query, kv, indices, sm_scale)
-
-
 class _IndexerKL(torch.autograd.Function):
     """sum_t KL(normalise(target_t) || softmax(logits_t)) over valid slots.
 
@@ -549,19 +537,16 @@ def indexer_kl_loss_and_grad(index_logits: torch.Tensor, target: torch.Tensor, i
 
 
 def indexer_kl_loss(index_logits: torch.Tensor, query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                    sm_scale: float, coeff: float, eps: float = 1e-10, head_sum_reduce=None,
-                    lse: torch.Tensor | None = None) -> torch.Tensor:
+                    sm_scale: float, coeff: float, eps: float = 1e-10) -> torch.Tensor:
     """KL(target || indexer) over the selected slots, averaged over query rows, times ``coeff``.
 
     index_logits [T, K] (indexer scores at the slots, -inf at padding, differentiable);
     query [T, H, D] and kv [T_kv, D] the attention q / latent kv (not differentiated);
     target = normalise(sum_h softmax_h(sm_scale * q_h . kv[idx])) over valid slots.
-    Same value as megatron-core 0.19.2 ``compute_dsa_indexer_loss(..., sparse_loss=True)``.
-    ``head_sum_reduce`` (e.g. a TP all-reduce) is applied to the head-summed target when the
-    heads are split over ranks. ``lse`` [T, H]: the attention forward's, for the fused target."""
-    target = attention_target(query.detach(), kv.detach(), indices, sm_scale, lse=lse)
-    if head_sum_reduce is not None:
-        target = head_sum_reduce(target)
+    Same value as megatron-core 0.19.2 ``compute_dsa_indexer_loss(..., sparse_loss=True)``. The
+    definition the layer's loss is checked against; the layer forms its target in the attention's
+    backward instead (``ops.SlotProbsGrad``, :func:`indexer_kl_loss_and_grad`)."""
+    target = attention_target_reference(query.detach(), kv.detach(), indices, sm_scale)
     return indexer_kl_loss_from_target(index_logits, target, indices, coeff, eps=eps)
 
 

@@ -469,7 +469,7 @@ class TileLangBackend(Backend):
         """Whether :meth:`backward_saved` can fill ``head_probs`` for this call: the warp-specialised
         backward with atomic dKV on one-row blocks of exactly 64 heads per kv group (one block
         holds all of a row's heads, so the column sums need no second pass)."""
-        G, hg, hg_pad = self._geometry(prob, BWD_MIN_HEADS)
+        hg_pad = self._geometry(prob, BWD_MIN_HEADS)[2]
         return (hg_pad == 64 and len(saved) == 3 and not self.deterministic
                 and self._warp_specialized(hg_pad, False, backward=True))
 
