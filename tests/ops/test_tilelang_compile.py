@@ -504,14 +504,15 @@ def test_each_kernel_is_built_once_when_threads_ask_together():
 
 @pytest.mark.slow
 def test_backward_with_head_probs_builds_and_syncs_its_reader():
-    """The backward that also forms the slot probabilities: one warp of the gather warpgroup sums
-    P's columns, stores them, and arrives at the step barrier (which then counts its 32 threads,
-    or warpgroup 0 would rewrite P under it)."""
+    """The backward that also forms the slot probabilities: the gather warpgroup sums P's columns,
+    stores them, and arrives at the step barrier (which then counts its 128 threads, or warpgroup 0
+    would rewrite P under it); its four warps' partial sums meet behind their own barrier."""
     from glm5_dsa_plugin.ops.tilelang.bwd_ws import sparse_mla_bwd_ws_kernel
 
     plain = sparse_mla_bwd_ws_kernel(64, 512, 64, 2048, 1, 256**-0.5, target=SM90A).get_kernel_source()
     src = sparse_mla_bwd_ws_kernel(64, 512, 64, 2048, 1, 256**-0.5, target=SM90A, head_probs=True).get_kernel_source()
-    assert "step_done[0].init(288)" in src and "step_done[0].init(256)" in plain
+    assert "step_done[0].init(384)" in src and "step_done[0].init(256)" in plain
+    assert "parts_ready[0].init(128)" in src and "parts_ready" not in plain
     assert "HeadProbs[" in src and "HeadProbs[" not in plain
     with pytest.raises(AssertionError, match="one query row per block"):
         sparse_mla_bwd_ws_kernel(16, 512, 64, 2048, 1, 256**-0.5, rows_per_block=4, target=SM90A, head_probs=True)

@@ -64,10 +64,10 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
 
     ``head_probs`` (R = 1): one more output, ``HeadProbs`` [B, T, G, topk] fp32, zero-filled by the
     caller: HeadProbs[b, t, g, j] = sum over the group's heads of P = exp(scale * q . kv[idx_j] - lse)
-    at every slot of the row's slot blocks (0 at padding), the indexer loss's target. One warp of
-    the gather warpgroup sums the columns of the fp32 P that warpgroup 0 stages for dS (right after
-    it issues the next block's gather), so the target needs no S recomputation and no kv gathers of
-    its own; warpgroup 0 rewrites P only after that warp, too, arrived at the step's barrier.
+    at every slot of the row's slot blocks (0 at padding), the indexer loss's target. The gather
+    warpgroup sums the columns of the fp32 P that warpgroup 0 stages for dS (right after it issues
+    the next block's gather), so the target needs no S recomputation and no kv gathers of its own;
+    warpgroup 0 rewrites P only after it, too, arrived at the step's barrier.
 
     Per 32-slot block, the two MMA warpgroups split the score side: warpgroup 0 computes
     S = Q K^T and P, warpgroup 1 dP = dO V^T and then dS from P (handed over in fp32 through
@@ -236,15 +236,23 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
 
     @T.macro
     def head_prob_block(w, blk):
-        # the first warp of warpgroup 2: column sums of block blk's fp32 P (warpgroup 0 staged it before
-        # p_ready; it rewrites it only after step_done, which this warp's arrival completes)
+        # warpgroup 2: column sums of block blk's fp32 P (warpgroup 0 staged it before p_ready and
+        # rewrites it only after step_done, which these threads' arrivals complete). Warp k sums
+        # rows [16k, 16k + 16) of every column (16 independent loads), the four partial sums
+        # meet in shared memory (double-buffered by block), and the first warp adds and stores them.
         tp = w.tx - 256
+        col, part = tp % BS, tp // BS
         T.barrier_wait(w.p_ready, blk & 1)
         w.col_sum[0] = 0.0
-        for h in T.serial(h_blk):
-            w.col_sum[0] = w.col_sum[0] + w.p32_s[h, tp]
-        w.HeadProbs[w.b, w.s, w.g, blk * BS + tp] = w.col_sum[0]
+        for r in T.unroll(h_blk // 4):
+            w.col_sum[0] = w.col_sum[0] + w.p32_s[part * (h_blk // 4) + r, col]
+        w.part_s[blk % 2, part, col] = w.col_sum[0]
         T.barrier_arrive(w.step_done)
+        T.barrier_arrive(w.parts_ready)
+        if tp < BS:
+            T.barrier_wait(w.parts_ready, blk & 1)
+            w.HeadProbs[w.b, w.s, w.g, blk * BS + tp] = (w.part_s[blk % 2, 0, tp] + w.part_s[blk % 2, 1, tp]
+                                                         + w.part_s[blk % 2, 2, tp] + w.part_s[blk % 2, 3, tp])
 
     @T.macro
     def step(w, blk):
@@ -348,9 +356,11 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
             ch_free01 = T.alloc_barrier(arrive_count=128)
             ch_free10 = T.alloc_barrier(arrive_count=128)
             ch_free11 = T.alloc_barrier(arrive_count=128)
-            # (with head_probs, the warp of warpgroup 2 that reads P arrives too)
-            step_done = T.alloc_barrier(arrive_count=256 + (BS if head_probs else 0))
-            col_sum = T.alloc_local([1], acc)  # head_probs: a thread's column sum of P
+            # (with head_probs, warpgroup 2 reads P too, and arrives)
+            step_done = T.alloc_barrier(arrive_count=256 + (128 if head_probs else 0))
+            col_sum = T.alloc_local([1], acc)  # head_probs: a thread's partial column sum of P
+            part_s = T.alloc_shared([2, 4, BS], acc) if head_probs else None  # the partial sums by warp
+            parts_ready = T.alloc_barrier(arrive_count=128) if head_probs else None
             drain_keys = T.alloc_local([BS * 16 // 128], T.int32)  # a drain thread's slot keys of a chunk
             drain_vals = T.alloc_local([BS * 16 // 32], acc)  # and its values of the chunk (4 x 16 bytes)
 
@@ -372,7 +382,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                                 ch_full=((ch_full00, ch_full01), (ch_full10, ch_full11)),
                                 ch_free=((ch_free00, ch_free01), (ch_free10, ch_free11)),
                                 step_done=step_done, drain_keys=drain_keys, drain_vals=drain_vals,
-                                HeadProbs=HeadProbs, col_sum=col_sum)
+                                HeadProbs=HeadProbs, col_sum=col_sum, part_s=part_s, parts_ready=parts_ready)
             # the gather warpgroup starts block 0's kv rows before the prologue loads
             if tx >= 256:
                 if nb > 0:
@@ -422,8 +432,7 @@ def sparse_mla_bwd_ws_kernel(heads, d_v, d_tail, topk, kv_group, sm_scale, rows_
                         T.barrier_wait(kv_free, i & 1)
                         gather(w, i + 1)
                     if head_probs:
-                        if tx < 256 + BS:
-                            head_prob_block(w, i)
+                        head_prob_block(w, i)
                     for k in T.unroll(N_OWN[1]):
                         if k < N_OWN[0]:
                             drain_chunk(w, i, 0, k)
