@@ -218,7 +218,7 @@ def reset_index_holders(cfg):
 
 def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     """Each DSA part of our layer timed alone at the layer's shapes (fwd + bwd where it has one)."""
-    from glm5_dsa_plugin.model import indexer
+    from glm5_dsa_plugin.model import indexer, indexer_loss, visibility
     from glm5_dsa_plugin.ops import SlotProbsGrad, sparse_mla
 
     attn = lay.self_attention
@@ -228,7 +228,7 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     xs = x[:, 0].detach()
     qr = torch.randn(T, dims["q_lora_rank"], device=device, dtype=x.dtype, generator=gen)
-    vis = indexer.Visibility.causal(T, device=device)
+    vis = visibility.Visibility.causal(T, device=device)
     out = {}
     with torch.no_grad():
         qi, ki, wi = core.indexer.qkw(xs, qr, vis.query_pos)
@@ -262,7 +262,7 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
 
     def loss():  # the indexer's logits at the slots, the KL against that target, their backward
         logits = indexer.selected_scores(qil, kil, wil, att_idx)
-        _, grad = indexer.indexer_kl_loss_and_grad(logits, target.clone(), att_idx, 1e-3)
+        _, grad = indexer_loss.indexer_kl_loss_and_grad(logits, target.clone(), att_idx, 1e-3)
         logits.backward(grad)
     out["indexer_loss"] = timed(loss, warmup, rep, device)
     return out
@@ -270,7 +270,7 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
 
 def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
     """Ours vs megatron-core's layer as index-reusing layers handed the same top-k: output and grads."""
-    from glm5_dsa_plugin.model import indexer
+    from glm5_dsa_plugin.model import indexer, visibility
     from glm5_dsa_plugin.model.shared_topk import SharedTopk
 
     cfgs = {impl: make_config(dims, layer, impl, device, reuse=True) for impl in ("ours", "mcore_sparse")}
@@ -286,7 +286,7 @@ def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
     x = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
     iq = torch.randn(T, 4, 32, device=device, generator=gen)
     ik, iw = torch.randn(T, 32, device=device, generator=gen), torch.randn(T, 4, device=device, generator=gen)
-    idx = indexer.select_topk(iq, ik, iw, dims["index_topk"], indexer.Visibility.causal(T, device=device))
+    idx = indexer.select_topk(iq, ik, iw, dims["index_topk"], visibility.Visibility.causal(T, device=device))
     grad = torch.randn(T, 1, dims["hidden_size"], device=device, generator=gen).to(torch.bfloat16)
     res = {}
     for name, lay, cfg in (("ours", ours, cfgs["ours"]), ("mcore", theirs, cfgs["mcore_sparse"])):

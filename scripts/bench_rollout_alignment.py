@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, visibility
 from glm5_dsa_plugin.model.value_projection import value_up_projection
 from glm5_dsa_plugin.ops import fp8_kv, sparse_mla
 from glm5_dsa_plugin.ops.backends import explain_auto
@@ -103,7 +103,7 @@ def flashmla_order_attention(q: torch.Tensor, kvs: torch.Tensor, valid: torch.Te
     return torch.where(l[..., None] > 0, o / l.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)
 
 
-def rollout_forward(inp: dict, vis: indexer.Visibility, rows: torch.Tensor, chunk: int = 256,
+def rollout_forward(inp: dict, vis: visibility.Visibility, rows: torch.Tensor, chunk: int = 256,
                     attention: str = "fp32"):
     """Inference order: FP8 index -> top-k -> FP8 cache read -> sparse attention (``attention``: ``fp32``
     or ``flashmla``, see the module docstring; output rounded to bf16) -> bf16 value up-projection.
@@ -132,7 +132,7 @@ def rollout_forward(inp: dict, vis: indexer.Visibility, rows: torch.Tensor, chun
     return idx, logprobs(y, inp, rows)
 
 
-def train_forward(inp: dict, vis: indexer.Visibility, mode: str, rows: torch.Tensor, backend: str = "auto"):
+def train_forward(inp: dict, vis: visibility.Visibility, mode: str, rows: torch.Tensor, backend: str = "auto"):
     """Our training forward for query rows ``rows`` against all keys (the attention module's calls)."""
     q, qi, wi, rv = inp["q"][rows], inp["qi"][rows], inp["wi"][rows], vis.rows(rows)
     with torch.no_grad():
@@ -203,7 +203,7 @@ def main() -> int:
 
     for T in args.seq:
         inp = make_inputs(T, dev, H)
-        vis = indexer.Visibility.causal(T, device=dev)
+        vis = visibility.Visibility.causal(T, device=dev)
         sel = query_rows(T, args.rows, dev)
         t0 = time.perf_counter()
         rolled = {}

@@ -267,13 +267,13 @@ def indexer_speed(gen, lengths: str):
     rows = []
     for T in [int(x) for x in lengths.split(",") if x]:
         try:
-            from glm5_dsa_plugin.model import indexer
+            from glm5_dsa_plugin.model import indexer, visibility
 
             Hi, Di, K = 32, 128, 2048
             q = torch.randn(T, Hi, Di, generator=gen, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(T, Di, generator=gen, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(T, Hi, generator=gen, device="cuda", dtype=torch.bfloat16)
-            vis = indexer.Visibility.causal(T, device="cuda")
+            vis = visibility.Visibility.causal(T, device="cuda")
             ours = bench(lambda: indexer.select_topk(q, k, w, K, vis), 2, 10)
             row = dict(T=T, ours_ms=ours)
             try:

@@ -127,7 +127,7 @@ def index_sharing(card: Mapping) -> tuple[int, int]:
 
 
 def _infer_sharing(types: list[str]) -> tuple[int, int]:
-    from ..model.indexer import computes_indices
+    from ..model.index_sharing import computes_indices
 
     n = len(types)
     for freq in range(1, n + 1):

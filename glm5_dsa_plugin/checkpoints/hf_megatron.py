@@ -33,7 +33,7 @@ import torch
 from . import block_fp8
 from .cards import index_sharing
 from .hybrid_names import gpt_to_hybrid_name
-from ..model.indexer import computes_indices
+from ..model.index_sharing import computes_indices
 
 __all__ = ["LazyHFCheckpoint", "name_plan", "iter_hf_to_megatron", "hf_to_megatron", "load_hf_checkpoint",
            "megatron_to_hf", "save_hf_safetensors"]

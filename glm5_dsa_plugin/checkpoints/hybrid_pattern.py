@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..model.indexer import computes_indices, index_source_layer
+from ..model.index_sharing import computes_indices, index_source_layer
 from ..model.layer_pattern import SYMBOLS, split_pattern  # noqa: F401  (the pattern grammar, re-exported)
 
 __all__ = ["SYMBOLS", "glm5_hybrid_layer_pattern", "split_pattern", "dsa_layer_number", "check_index_sharing"]

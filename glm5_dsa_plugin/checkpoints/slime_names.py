@@ -41,7 +41,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..model.indexer import computes_indices
+from ..model.index_sharing import computes_indices
 
 __all__ = ["convert_name", "rotate_indexer", "convert_state", "geometry", "read_checkpoint", "write_checkpoint"]
 
@@ -84,7 +84,7 @@ def convert_name(name: str, topk_freq: int = 1, skip_offset: int = 0, keys: str 
 
     ``topk_freq`` / ``skip_offset``: the index-sharing schedule (HF ``index_topk_freq`` /
     ``index_skip_topk_offset``); decoder layer i (0-based) computes indices iff
-    ``indexer.computes_indices(i + 1, freq, offset)``."""
+    ``index_sharing.computes_indices(i + 1, freq, offset)``."""
     while name.startswith("module."):
         name = name[len("module."):]
     name = re.sub(r"(^|\.)module\.", r"\1", name)

@@ -34,6 +34,9 @@ from megatron.core.utils import get_pg_size
 
 from .cp_layout import check_layout, indexer_loss_tracker_groups, shard
 from . import indexer
+from . import indexer_loss
+from . import rope
+from . import visibility
 from . import indexer_replay as replay_mod
 from . import rollout_numerics
 from .dsa_fields import check_dsa_config, dsa_geometry
@@ -97,12 +100,12 @@ class GLM5DSAIndexer(MegatronModule):
         k, _ = self.linear_wk(x)
         k = self._k_norm(k)
         w, _ = self.linear_weights_proj(x)
-        cos, sin = indexer.rope_cos_sin(positions, self.rope_dim, self.config.rotary_base, dtype=q.dtype)
-        q = indexer.apply_rope_first(q.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_interleaved)
-        k = indexer.apply_rope_first(k.view(T, 1, self.head_dim), cos, sin, self.rope_interleaved)[:, 0]
+        cos, sin = rope.rope_cos_sin(positions, self.rope_dim, self.config.rotary_base, dtype=q.dtype)
+        q = rope.apply_rope_first(q.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_interleaved)
+        k = rope.apply_rope_first(k.view(T, 1, self.head_dim), cos, sin, self.rope_interleaved)[:, 0]
         return q, k, w * self.n_heads**-0.5
 
-    def select_topk(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, vis: indexer.Visibility,
+    def select_topk(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, vis: visibility.Visibility,
                     key_order: bool = False) -> torch.Tensor:
         """Top-k indices [T, topk] of the indexer scores: bf16 / fp32 (:func:`indexer.select_topk`), or with
         ``dsa_indexer_precision="fp8"`` the FP8 scores of the rollout engines (Hadamard, e4m3, UE8M0
@@ -194,7 +197,7 @@ class GLM5DSAttention(MegatronModule):
                 f"DSA layer. {micro_batch.NO_GRAD_TRAINING_HINT}")
 
     @staticmethod
-    def _packed_visibility(packed_seq_params: PackedSeqParams, device) -> indexer.Visibility:
+    def _packed_visibility(packed_seq_params: PackedSeqParams, device) -> visibility.Visibility:
         """The micro batch's THD visibility, built by its first DSA layer and kept on its
         ``PackedSeqParams`` for the others: boundaries on a GPU cost a host read, which waits for
         the GPU's queue, once per micro batch instead of once per layer. Kept while the boundary
@@ -202,13 +205,13 @@ class GLM5DSAttention(MegatronModule):
         cu, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
         if cu.is_inference() or (padded is not None and padded.is_inference()):
             # inference tensors keep no version counter: an in-place change could not be seen
-            return indexer.Visibility.from_cu_seqlens(cu, device=device, cu_seqlens_padded=padded)
+            return visibility.Visibility.from_cu_seqlens(cu, device=device, cu_seqlens_padded=padded)
         ident = tuple((id(t), t._version) if t is not None else None for t in (cu, padded)) + (str(device),)
         kept = micro_batch.state(packed_seq_params, micro_batch.VISIBILITY_ATTR)
         hit = kept.get("packed")
         if hit is not None and hit[0] == ident:
             return hit[2]
-        vis = indexer.Visibility.from_cu_seqlens(cu, device=device, cu_seqlens_padded=padded)
+        vis = visibility.Visibility.from_cu_seqlens(cu, device=device, cu_seqlens_padded=padded)
         kept["packed"] = (ident, (cu, padded), vis)  # the tensors held, so their ids are not reused
         return vis
 
@@ -286,7 +289,7 @@ class GLM5DSAttention(MegatronModule):
             if int(vis.query_seq.shape[0]) != s:
                 raise ValueError(f"cu_seqlens covers {vis.query_seq.shape[0]} tokens, query has {s}")
             return vis, None
-        return indexer.Visibility.uniform(b, s, device=device), None
+        return visibility.Visibility.uniform(b, s, device=device), None
 
     def _attention_operands(self, query, key, value, up_v_weight):
         """-> (q [b*s, H, Dqk], kv [b*s, G, Dqk], d_v, backend) of the sparse attention.
@@ -397,7 +400,7 @@ class GLM5DSAttention(MegatronModule):
             target = probs[:, 0] if probs.shape[1] == 1 else probs.sum(1)
             if get_pg_size(tp_group) > 1:  # heads are split over TP: the target sums all of them
                 torch.distributed.all_reduce(target, group=tp_group)
-            loss, grad = indexer.indexer_kl_loss_and_grad(index_logits, target.contiguous(), indices, coeff)
+            loss, grad = indexer_loss.indexer_kl_loss_and_grad(index_logits, target.contiguous(), indices, coeff)
             if torch.cuda.is_available():  # CP: each rank's loss covers its query rows; the log averages them
                 groups = indexer_loss_tracker_groups(getattr(self.pg_collection, "cp", None),
                                                      bool(getattr(self.config, "calculate_per_token_loss", False)))

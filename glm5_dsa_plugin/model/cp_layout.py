@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import indexer
+from . import visibility
 
 __all__ = ["LAYOUTS", "layout_from_args", "check_layout", "units", "local_rows", "gather_order", "local_row_ids",
            "positions_in_sequence", "gather_sequence", "Shard", "shard", "indexer_loss_tracker_groups"]
@@ -200,7 +200,7 @@ class Shard:
     layout: str
     rows: torch.Tensor
     order: Optional[torch.Tensor]
-    vis: indexer.Visibility
+    vis: visibility.Visibility
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[T_loc, ...] local rows -> [T, ...] global packed order (autograd: reduce-scatter back)."""
@@ -217,7 +217,7 @@ def shard(group, layout: str, local_tokens: int, batch: int = 1, cu_seqlens: Opt
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     total = cp * local_tokens
     if cu_seqlens is None:
-        vis = indexer.Visibility.uniform(batch, total // batch, device=device)
+        vis = visibility.Visibility.uniform(batch, total // batch, device=device)
         bounds = units(layout, total, batch)
     else:
         # the boundaries on the host in one read (a GPU copy waits for the queued work): checked and
@@ -232,7 +232,7 @@ def shard(group, layout: str, local_tokens: int, batch: int = 1, cu_seqlens: Opt
             name = "cu_seqlens_q_padded" if cu_seqlens_padded is not None else "cu_seqlens_q"
             raise ValueError(f"CP={cp}: {name}[-1] = {covered} global tokens, but this rank holds {local_tokens} "
                              f"rows ({total} over the CP group); cu_seqlens must describe the global packed sequence")
-        vis = indexer.Visibility.from_cu_seqlens(cu_host, device=device if device is not None else cu_seqlens.device,
+        vis = visibility.Visibility.from_cu_seqlens(cu_host, device=device if device is not None else cu_seqlens.device,
                                                  cu_seqlens_padded=padded_host)
         bounds = units(layout, total, cu_seqlens=extent)
     rows = local_rows(bounds, cp, rank, layout)

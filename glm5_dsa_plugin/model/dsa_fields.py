@@ -78,19 +78,19 @@ class DSAGeometry:
 
     def computes_indices(self, layer_number: int) -> bool:
         """Whether 1-indexed ``layer_number`` runs its indexer (else it reuses :meth:`source_layer`'s)."""
-        from .indexer import computes_indices
+        from .index_sharing import computes_indices
 
         return computes_indices(layer_number, self.topk_freq, self.skip_offset)
 
     def source_layer(self, layer_number: int) -> int:
         """The computing layer whose indices 1-indexed ``layer_number`` uses (itself if it computes)."""
-        from .indexer import index_source_layer
+        from .index_sharing import index_source_layer
 
         return index_source_layer(layer_number, self.topk_freq, self.skip_offset)
 
     def check_stage_layers(self, first_layer: int, last_layer: int) -> None:
         """ValueError when a pipeline stage owning 1-indexed layers [first, last] starts on a reusing layer."""
-        from .indexer import check_stage_layers
+        from .index_sharing import check_stage_layers
 
         check_stage_layers(first_layer, last_layer, self.topk_freq, self.skip_offset)
 

@@ -191,7 +191,7 @@ def model_flops(shape: DSAShape, seq_lens, mtp: bool = False, indexer_loss: bool
     (dense for the first ``first_k_dense_replace``, MoE after; the indexer only on layers that
     compute their indices), the output logits when ``vocab_size`` is set and, with ``mtp``, the
     MTP layers."""
-    from .indexer import computes_indices
+    from .index_sharing import computes_indices
 
     s = shape
     T = sum(_lengths(seq_lens))

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import micro_batch
-from .indexer import computes_indices
+from .index_sharing import computes_indices
 
 __all__ = ["IndexerReplay", "IndexerReplayError", "IndexerTopkRecorder", "attach_indexer_replay",
            "attach_indexer_topk_recorder", "carries_several_replays", "computing_layers", "decode_indexer_topk",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoints import cards
-from ..model import indexer
+from ..model import index_sharing
 from ..model.dsa_fields import dsa_geometry
 from . import memory
 from .attention_memory import attention_activation_bytes, layer_peak_bytes
@@ -43,7 +43,7 @@ def balanced_split(n_layers: int, pp: int, freq: int, offset: int) -> list[tuple
     """Stages (first, last), 1-indexed, minimising the largest stage; every first layer computes indices."""
     if pp > n_layers:
         raise ValueError(f"pp={pp} > {n_layers} layers")
-    ok = [computes for computes in (indexer.computes_indices(L, freq, offset) for L in range(1, n_layers + 2))]
+    ok = [computes for computes in (index_sharing.computes_indices(L, freq, offset) for L in range(1, n_layers + 2))]
     INF = math.inf
     # best[k][i]: minimal max stage length splitting layers [1, i] into k stages
     best = [[INF] * (n_layers + 1) for _ in range(pp + 1)]
@@ -82,7 +82,7 @@ def split_with_ends(n_layers: int, pp: int, first: int | None, last: int | None,
         + ([last_n] if last is not None else [])
     out, a = [], 1
     for k in sizes:
-        indexer.check_stage_layers(a, a + k - 1, freq, offset)
+        index_sharing.check_stage_layers(a, a + k - 1, freq, offset)
         out.append((a, a + k - 1))
         a += k
     return out
@@ -171,7 +171,7 @@ def plan(card: dict, tp: int, pp: int, ep: int, cp: int, seq: int, first_stage_l
     for s, (a, b) in enumerate(split):
         st = Stage(s, a, b)
         for L in range(a, b + 1):
-            is_moe, comp = L > k, indexer.computes_indices(L, freq, off)
+            is_moe, comp = L > k, index_sharing.computes_indices(L, freq, off)
             st.layer_kinds.append(("moe" if is_moe else "dense") + ("" if comp else "+reuse"))
             st.params_per_rank += kinds[(is_moe, comp)][0]
             st.expert_params_per_rank += kinds[(is_moe, comp)][1]
@@ -205,7 +205,7 @@ def stage_memory(card: dict, stages: list[Stage], tp: int, pp: int, ep: int, cp:
     out = []
     for st in stages:
         in_flight = min(pp - st.index, micro_batches or pp)
-        layers = [(L > k, indexer.computes_indices(L, freq, off)) for L in range(st.first, st.last + 1)]
+        layers = [(L > k, index_sharing.computes_indices(L, freq, off)) for L in range(st.first, st.last + 1)]
         if st.has_mtp:
             layers.append((True, True))
         n_lora = lora * len(layers)
@@ -371,9 +371,9 @@ def plan_and_print(args, card: dict) -> int:
     print(f"{'stage':>5} {'layers':>9} {'dense':>5} {'moe':>4} {'params/rank':>14} {'attn act GiB':>12}  indices")
     total = 0
     for st in stages:
-        comp = [L for L in range(st.first, st.last + 1) if indexer.computes_indices(L, freq, off)]
-        reuse = [f"{L}<-{indexer.index_source_layer(L, freq, off)}" for L in range(st.first, st.last + 1)
-                 if not indexer.computes_indices(L, freq, off)]
+        comp = [L for L in range(st.first, st.last + 1) if index_sharing.computes_indices(L, freq, off)]
+        reuse = [f"{L}<-{index_sharing.index_source_layer(L, freq, off)}" for L in range(st.first, st.last + 1)
+                 if not index_sharing.computes_indices(L, freq, off)]
         n_dense = sum(x.startswith("dense") for x in st.layer_kinds)
         total += st.params_per_rank
         print(f"{st.index:>5} {st.first:>4}-{st.last:<4} {n_dense:>5} {len(st.layer_kinds) - n_dense:>4} "

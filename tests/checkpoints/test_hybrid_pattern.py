@@ -5,7 +5,7 @@ import pytest
 
 from glm5_dsa_plugin.checkpoints import cards
 from glm5_dsa_plugin.checkpoints import hybrid_pattern as hp
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import index_sharing
 
 
 def test_tiny_card_pattern():
@@ -51,12 +51,12 @@ def test_cut_check_agrees_with_the_gpt_stage_check(freq, offset):
     for c in range(1, 9):
         pattern = hp.glm5_hybrid_layer_pattern(card, stage_layers=[c, 9 - c])
         try:
-            indexer.check_stage_layers(c + 1, 9, freq, offset)
+            index_sharing.check_stage_layers(c + 1, 9, freq, offset)
             gpt_refuses = False
         except ValueError:
             gpt_refuses = True
         if gpt_refuses:
-            src = indexer.index_source_layer(c + 1, freq, offset)
+            src = index_sharing.index_source_layer(c + 1, freq, offset)
             with pytest.raises(ValueError, match=rf"stage 1 starts its DSA layers at layer {2 * c + 1} "
                                                  rf"\(DSA layer {c + 1}\), which reuses the indices of DSA layer {src}"):
                 hp.check_index_sharing(pattern, freq, offset)

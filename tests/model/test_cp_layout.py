@@ -79,7 +79,7 @@ def test_positions_in_sequence_thd(layout, cp):
     """Each local row's offset in its own sequence, sequences cut across ranks included, against the
     positions of the global packed stream (``Visibility``) at the rows the rank holds (slime's chunk
     for the contiguous layout, megatron-core's own split for zigzag)."""
-    from glm5_dsa_plugin.model.indexer import Visibility
+    from glm5_dsa_plugin.model.visibility import Visibility
     from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
     for real, padded in (([8, 24, 0, 16], None), ([13, 7, 20, 6], [16, 8, 24, 16])):

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import index_sharing, indexer, rope
 from glm5_dsa_plugin.model.dsa_fields import KNOWN_DSA_FIELDS
 from megatron_cpu import megatron_single_process  # noqa: F401
 
@@ -104,8 +104,8 @@ def test_k_norm_runs_on_fp32_inputs_when_asked(megatron_single_process, monkeypa
         assert seen == [want] and k.dtype == torch.bfloat16
         ref = real(idx.linear_wk(x)[0].to(want), (cfg.dsa_indexer_head_dim,), idx.k_norm.weight.to(want),
                    idx.k_norm.bias.to(want), idx.k_norm.eps).bfloat16()
-        cos, sin = indexer.rope_cos_sin(torch.arange(T), cfg.qk_pos_emb_head_dim, cfg.rotary_base, dtype=torch.bfloat16)
-        torch.testing.assert_close(k, indexer.apply_rope_first(ref[:, None], cos, sin, True)[:, 0], rtol=0, atol=0)
+        cos, sin = rope.rope_cos_sin(torch.arange(T), cfg.qk_pos_emb_head_dim, cfg.rotary_base, dtype=torch.bfloat16)
+        torch.testing.assert_close(k, rope.apply_rope_first(ref[:, None], cos, sin, True)[:, 0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -115,10 +115,10 @@ def test_indexer_module_rotates_as_configured(megatron_single_process, interleav
     T = 9
     x, qr = torch.randn(T, cfg.hidden_size), torch.randn(T, cfg.q_lora_rank)
     q, k, _ = idx.qkw(x, qr, torch.arange(T))
-    cos, sin = indexer.rope_cos_sin(torch.arange(T), cfg.qk_pos_emb_head_dim, cfg.rotary_base)
+    cos, sin = rope.rope_cos_sin(torch.arange(T), cfg.qk_pos_emb_head_dim, cfg.rotary_base)
     q_raw = idx.linear_wq_b(qr)[0].view(T, cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim)
-    torch.testing.assert_close(q, indexer.apply_rope_first(q_raw, cos, sin, interleaved))
-    other = indexer.apply_rope_first(q_raw, cos, sin, not interleaved)
+    torch.testing.assert_close(q, rope.apply_rope_first(q_raw, cos, sin, interleaved))
+    other = rope.apply_rope_first(q_raw, cos, sin, not interleaved)
     assert (q - other).abs().max() > 1e-3
 
 
@@ -141,7 +141,7 @@ def test_indexer_head_narrower_than_its_rope_channels_is_refused(megatron_single
 
 def test_dsa_geometry_resolves_the_index_sharing_schedule_once():
     """``dsa_geometry`` reads each DSA geometry field once: None freq / offset as megatron-core's
-    defaults 1 / 0, the schedule the same as ``indexer.computes_indices``; a period below 1 or a
+    defaults 1 / 0, the schedule the same as ``index_sharing.computes_indices``; a period below 1 or a
     negative offset is refused naming the field and the value."""
     from types import SimpleNamespace
 
@@ -155,7 +155,7 @@ def test_dsa_geometry_resolves_the_index_sharing_schedule_once():
     assert all(plain.computes_indices(L) for L in range(1, 10))
     shared = dsa_geometry(SimpleNamespace(dsa_indexer_topk=2048, dsa_indexer_topk_freq=4,
                                           dsa_indexer_skip_topk_offset=3))
-    assert [shared.computes_indices(L) for L in range(1, 13)] == [indexer.computes_indices(L, 4, 3) for L in range(1, 13)]
+    assert [shared.computes_indices(L) for L in range(1, 13)] == [index_sharing.computes_indices(L, 4, 3) for L in range(1, 13)]
     assert [L for L in range(1, 13) if shared.computes_indices(L)] == [1, 2, 3, 7, 11]
     assert shared.source_layer(6) == 3 and shared.source_layer(7) == 7
     with pytest.raises(ValueError, match=r"pipeline stage starting at layer 5 would reuse the DSA indices of layer 3"):
@@ -176,5 +176,5 @@ def test_attention_modules_take_their_schedule_from_the_geometry(megatron_single
     atts = [m for m in model.modules() if isinstance(m, GLM5DSAttention)]
     assert atts and all(a.geometry == dsa_geometry(cfg) for a in atts)
     for a in atts:
-        assert a.computes_indices == indexer.computes_indices(a.layer_number, 2, 1) == (a.indexer is not None)
-        assert a.source_layer == indexer.index_source_layer(a.layer_number, 2, 1)
+        assert a.computes_indices == index_sharing.computes_indices(a.layer_number, 2, 1) == (a.indexer is not None)
+        assert a.source_layer == index_sharing.index_source_layer(a.layer_number, 2, 1)

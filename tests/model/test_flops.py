@@ -4,8 +4,7 @@ pair counts against the indexer's own visibility and top-k."""
 import pytest
 import torch
 
-from glm5_dsa_plugin.model import flops
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import flops, indexer, visibility
 
 # hidden 8, 2 heads, q_lora 4, kv_lora 4, nope 2, rope 2, v 2, indexer 2 x 4, top-k 3, ffn 6,
 # 4 experts of width 2, 2 per token, 1 shared
@@ -58,7 +57,7 @@ def test_model_counts_dense_then_moe_layers_index_sharing_logits_and_mtp():
 def test_pair_counts_equal_the_indexers_visibility_and_topk():
     lens = [7, 1, 12, 3]
     cu = torch.tensor([0, 7, 8, 20, 23])
-    vis = indexer.Visibility.from_cu_seqlens(cu)
+    vis = visibility.Visibility.from_cu_seqlens(cu)
     assert flops.visible_pairs(lens) == int(vis.mask().sum())
     g = torch.Generator().manual_seed(0)
     q, k, w = torch.randn(23, 2, 8, generator=g), torch.randn(23, 8, generator=g), torch.randn(23, 2, generator=g)

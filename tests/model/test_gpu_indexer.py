@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, indexer_loss, visibility
 
 pytestmark = pytest.mark.gpu
 
@@ -19,8 +19,8 @@ def test_triton_scores_and_topk_on_gpu(packed):
     q = torch.randn(T, Hi, Di, generator=g, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(T, Di, generator=g, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(T, Hi, generator=g, device="cuda", dtype=torch.bfloat16)
-    vis = (indexer.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda") if packed
-           else indexer.Visibility.causal(T, device="cuda"))
+    vis = (visibility.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda") if packed
+           else visibility.Visibility.causal(T, device="cuda"))
     rows = slice(0, 512)
     sub = vis.rows(torch.arange(512, device="cuda"))
     got = masked_index_scores(q[rows], k, w[rows], sub.query_seq, sub.query_pos, sub.qidx, sub.key_seq, sub.key_pos)
@@ -44,7 +44,7 @@ def test_fused_topk_keys_equal_a_stable_sort_of_the_scores():
     q = torch.randn(T, Hi, Di, generator=g, device="cuda").to(torch.bfloat16)
     k = torch.randn(T, Di, generator=g, device="cuda").to(torch.bfloat16)
     w = torch.randn(T, Hi, generator=g, device="cuda").to(torch.bfloat16)
-    vis = indexer.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda")
+    vis = visibility.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda")
     args = (q, k, w, vis.query_seq, vis.query_pos, vis.qidx, vis.key_seq, vis.key_pos)
     vals, order = torch.sort(masked_index_scores(*args), dim=-1, descending=True, stable=True)
     want = torch.where(vals[:, :K] == float("-inf"), -1, order[:, :K]).to(torch.int32)
@@ -60,7 +60,7 @@ def _glm5_indexer_inputs(seed: int):
     q = torch.randn(T, Hi, Di, generator=g, device="cuda").to(torch.bfloat16)
     k = torch.randn(T, Di, generator=g, device="cuda").to(torch.bfloat16)
     w = (torch.randn(T, Hi, generator=g, device="cuda") * Hi ** -0.5).to(torch.bfloat16)
-    idx = indexer.select_topk(q, k, w, K, indexer.Visibility.causal(T, device="cuda"))
+    idx = indexer.select_topk(q, k, w, K, visibility.Visibility.causal(T, device="cuda"))
     return q, k, w, idx, torch.randn(T, K, generator=g, device="cuda")
 
 
@@ -108,13 +108,13 @@ def test_loss_target_from_lse_matches_reference_at_glm5_sizes():
     g = torch.Generator(device="cuda").manual_seed(7)
     q = (torch.randn(T, H, D, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
     kv = (torch.randn(T, 1, D, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
-    vis = indexer.Visibility.causal(T, device="cuda")
+    vis = visibility.Visibility.causal(T, device="cuda")
     idx = indexer.select_topk(torch.randn(T, 4, 32, generator=g, device="cuda"), torch.randn(T, 32, generator=g,
                          device="cuda"), torch.randn(T, 4, generator=g, device="cuda"), K, vis)
     scale = 256 ** -0.5
     _, lse = sparse_mla(q, kv, idx[:, None], scale, d_v=dv)
     got = head_prob_sum(q, kv[:, 0], lse, idx.to(torch.int32).contiguous(), scale)  # the target pass after the backward
-    want = indexer.attention_target_reference(q, kv[:, 0], idx, scale, chunk_rows=256)
+    want = indexer_loss.attention_target_reference(q, kv[:, 0], idx, scale, chunk_rows=256)
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     rows = (idx >= 0).any(-1)
     torch.testing.assert_close(got.sum(-1)[rows], torch.full_like(got.sum(-1)[rows], float(H)), rtol=1e-3, atol=0)
@@ -126,17 +126,17 @@ def test_kl_loss_kernel_matches_the_torch_path_at_glm5_sizes():
 
     T, K = 4096, 2048
     g = torch.Generator(device="cuda").manual_seed(11)
-    vis = indexer.Visibility.causal(T, device="cuda")
+    vis = visibility.Visibility.causal(T, device="cuda")
     idx = indexer.select_topk(torch.randn(T, 4, 32, generator=g, device="cuda"), torch.randn(T, 32, generator=g,
                          device="cuda"), torch.randn(T, 4, generator=g, device="cuda"), K, vis)
     assert (idx < 0).any()  # rows 0..2046 carry padding
     logits = (torch.randn(T, K, generator=g, device="cuda") * 4).masked_fill(idx < 0, float("-inf"))
     target = torch.rand(T, K, generator=g, device="cuda") * 64
     got_x = logits.clone().requires_grad_(True)
-    got = indexer.indexer_kl_loss_from_target(got_x, target, idx, 1e-3)
+    got = indexer_loss.indexer_kl_loss_from_target(got_x, target, idx, 1e-3)
     (got * 3.0).backward()
     want_x = logits.cpu().requires_grad_(True)
-    want = indexer.indexer_kl_loss_from_target(want_x, target.cpu(), idx.cpu(), 1e-3)
+    want = indexer_loss.indexer_kl_loss_from_target(want_x, target.cpu(), idx.cpu(), 1e-3)
     (want * 3.0).backward()
     assert indexer_kernels.triton_available()
     torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-5, atol=0)
@@ -157,7 +157,7 @@ def test_fp8_topk_kernel_selects_the_reference_fp8_set_at_glm5_sizes():
     q = (torch.randn(T, Hi, Di, generator=g, device="cuda") * 3).to(torch.bfloat16)
     k = (torch.randn(T, Di, generator=g, device="cuda") * 3).to(torch.bfloat16)
     w = torch.randn(T, Hi, generator=g, device="cuda") * Hi**-0.5
-    vis = indexer.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda")
+    vis = visibility.Visibility.from_cu_seqlens(torch.tensor([0, 1000, 1001, 3000, 4096]), device="cuda")
     got = indexer.select_topk(q, k, w, K, vis, precision="fp8")
     ref = fp8_index.fp8_select_topk(q, k, w, K, vis.mask)
     assert torch.equal(got == -1, ref == -1)
@@ -186,7 +186,7 @@ def test_radix_select_blocks_equal_a_stable_sort_of_the_scores(packed):
     k = torch.randn(T, Di, generator=g, device="cuda").to(torch.bfloat16)
     w = torch.randn(T, Hi, generator=g, device="cuda").to(torch.bfloat16)
     cu = torch.tensor([0, 5000, 5001, 20000, T]) if packed else torch.tensor([0, T])
-    vis = indexer.Visibility.from_cu_seqlens(cu, device="cuda")
+    vis = visibility.Visibility.from_cu_seqlens(cu, device="cuda")
     block = indexer.RADIX_MIN_KEYS // 2
     idx = indexer.select_topk(q, k, w, K, vis, chunk_rows=block)
     assert indexer_kernels.triton_available(), indexer_kernels.status()

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import index_sharing, indexer, indexer_loss, rope, visibility
 from megatron_cpu import megatron_single_process  # noqa: F401
 
 
@@ -27,7 +27,7 @@ def brute_topk(scores, topk):
 def test_topk_bounds_ties_and_order(T, topk, levels, scale, seed):
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randint(0, levels, (T, T), generator=gen).float() * scale  # many exact ties
-    vis = indexer.Visibility.causal(T)
+    vis = visibility.Visibility.causal(T)
     scores = scores.masked_fill(~vis.mask(), float("-inf"))
     got = indexer.deterministic_topk(scores, topk)
     assert got.shape == (T, topk) and got.dtype == torch.int32
@@ -47,12 +47,12 @@ def test_key_topk_on_signed_scores_and_signed_zeros(T, topk, seed):
     gen = torch.Generator().manual_seed(seed)
     vals = torch.tensor([-3.0, -1e-30, -0.0, 0.0, 1e-30, 2.5, float("inf")])
     scores = vals[torch.randint(0, len(vals), (T, T), generator=gen)]
-    scores = scores.masked_fill(~indexer.Visibility.causal(T).mask(), float("-inf"))
+    scores = scores.masked_fill(~visibility.Visibility.causal(T).mask(), float("-inf"))
     assert torch.equal(indexer.deterministic_topk(scores, topk), brute_topk(scores, topk))
 
 
 def test_check_topk_rejects_bad_indices():
-    vis = indexer.Visibility.causal(4)
+    vis = visibility.Visibility.causal(4)
     with pytest.raises(RuntimeError, match="index 4"):
         indexer.check_topk(torch.tensor([[0, -1], [0, 1], [2, 1], [3, 4]], dtype=torch.int32), vis)
     with pytest.raises(RuntimeError, match="invisible to row 1"):
@@ -95,10 +95,10 @@ def _ours_from_hf(idxr, x, qr, positions, theta, interleaved=True):
     """Our functional indexer driven by the HF module's weights."""
     Hi, Di, r = idxr.n_heads, idxr.head_dim, idxr.qk_rope_head_dim
     T = x.shape[0]
-    cos, sin = indexer.rope_cos_sin(positions, r, theta)
-    q = indexer.apply_rope_first((qr @ idxr.wq_b.weight.T).view(T, Hi, Di), cos, sin, interleaved)
+    cos, sin = rope.rope_cos_sin(positions, r, theta)
+    q = rope.apply_rope_first((qr @ idxr.wq_b.weight.T).view(T, Hi, Di), cos, sin, interleaved)
     k = torch.nn.functional.layer_norm(x @ idxr.wk.weight.T, (Di,), idxr.k_norm.weight, idxr.k_norm.bias, 1e-6)
-    k = indexer.apply_rope_first(k[:, None, :], cos, sin, interleaved)[:, 0]
+    k = rope.apply_rope_first(k[:, None, :], cos, sin, interleaved)[:, 0]
     w = (x @ idxr.weights_proj.weight.T) * Hi**-0.5
     return q, k, w
 
@@ -115,8 +115,8 @@ def test_matches_hf_indexer_scores_and_selection(monkeypatch):
     T = 24
     x, qr = torch.randn(1, T, 64), torch.randn(1, T, 32)
     pos = torch.arange(T)[None]
-    rope = GlmMoeDsaRotaryEmbedding(cfg)
-    cos_sin = rope(x, pos)
+    hf_rope = GlmMoeDsaRotaryEmbedding(cfg)
+    cos_sin = hf_rope(x, pos)
     captured = {}
     real_topk = torch.Tensor.topk
 
@@ -131,7 +131,7 @@ def test_matches_hf_indexer_scores_and_selection(monkeypatch):
     hf_scores = captured["scores"][0]  # [T, T] with -inf above the diagonal
 
     q, k, w = _ours_from_hf(idxr, x[0], qr[0], pos[0], cfg.rope_parameters["rope_theta"])
-    vis = indexer.Visibility.causal(T)
+    vis = visibility.Visibility.causal(T)
     ours = indexer.index_scores(q, k, w).masked_fill(~vis.mask(), float("-inf"))
     finite = torch.isfinite(hf_scores)
     assert torch.equal(finite, torch.isfinite(ours))
@@ -163,8 +163,8 @@ def test_rope_conventions_equal_megatron_core(interleaved, megatron_single_proce
     x = torch.randn(T, H, D, dtype=torch.float64)
     freqs = RotaryEmbedding(r, rotary_percent=1.0, rotary_base=theta, use_cpu_initialization=True)(T)  # [T, 1, 1, r]
     rot = _apply_rotary_pos_emb_bshd(x[:, None, :, :r], freqs.double(), mla_rotary_interleaved=interleaved)[:, 0]
-    cos, sin = indexer.rope_cos_sin(torch.arange(T), r, theta, dtype=torch.float64)
-    ours = indexer.apply_rope_first(x, cos, sin, interleaved)
+    cos, sin = rope.rope_cos_sin(torch.arange(T), r, theta, dtype=torch.float64)
+    ours = rope.apply_rope_first(x, cos, sin, interleaved)
     torch.testing.assert_close(ours[..., :r], rot, rtol=1e-6, atol=1e-6)
     assert torch.equal(ours[..., r:], x[..., r:])
     # interleaved pairs (2j, 2j+1) rotate as complex numbers by angle t * theta ** (-2j / r) (cos/sin are fp32)
@@ -180,11 +180,11 @@ def test_thd_three_sequences_never_cross():
     cu = torch.tensor([0, 5, 17, 30])
     T, Hi, Di = 30, 3, 16
     q, k, w = torch.randn(T, Hi, Di), torch.randn(T, Di), torch.randn(T, Hi)
-    vis = indexer.Visibility.from_cu_seqlens(cu)
+    vis = visibility.Visibility.from_cu_seqlens(cu)
     idx = indexer.select_topk(q, k, w, 8, vis)
     for s in range(3):
         a, b = int(cu[s]), int(cu[s + 1])
-        sub = indexer.select_topk(q[a:b], k[a:b], w[a:b], 8, indexer.Visibility.causal(b - a))
+        sub = indexer.select_topk(q[a:b], k[a:b], w[a:b], 8, visibility.Visibility.causal(b - a))
         expect = torch.where(sub >= 0, sub + a, sub)
         assert torch.equal(idx[a:b], expect)
     assert int((idx[:5] >= 0).sum(-1).max()) == 5  # short sequence padded with -1
@@ -197,7 +197,7 @@ def test_select_topk_in_key_order_holds_the_same_entries_sorted_by_key():
     cu = torch.tensor([0, 3, 17, 30])
     T, Hi, Di, K = 30, 3, 16, 8
     q, k, w = torch.randn(T, Hi, Di), torch.randn(T, Di), torch.randn(T, Hi)
-    vis = indexer.Visibility.from_cu_seqlens(cu)
+    vis = visibility.Visibility.from_cu_seqlens(cu)
     ranked = indexer.select_topk(q, k, w, K, vis)
     for chunk in (None, 7):
         got = indexer.select_topk(q, k, w, K, vis, chunk_rows=chunk, key_order=True)
@@ -214,7 +214,7 @@ def test_context_parallel_split_agrees_with_full():
     cu = torch.tensor([0, 16, 40])
     T, Hi, Di, cp = 40, 2, 16, 2
     q, k, w = torch.randn(T, Hi, Di), torch.randn(T, Di), torch.randn(T, Hi)
-    vis = indexer.Visibility.from_cu_seqlens(cu)
+    vis = visibility.Visibility.from_cu_seqlens(cu)
     full = indexer.select_topk(q, k, w, 6, vis)
     for rank in range(cp):
         rows = []
@@ -230,12 +230,12 @@ def test_context_parallel_split_agrees_with_full():
 
 def test_index_sharing_pattern_matches_hf_and_guards_stage_starts():
     cfg = _hf_config(num_hidden_layers=12, index_topk_freq=4, index_skip_topk_offset=3)
-    ours = ["full" if indexer.computes_indices(i + 1, 4, 3) else "shared" for i in range(12)]
+    ours = ["full" if index_sharing.computes_indices(i + 1, 4, 3) else "shared" for i in range(12)]
     assert ours == cfg.indexer_types
-    assert [indexer.index_source_layer(L, 4, 3) for L in range(1, 13)] == [1, 2, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11]
-    indexer.check_stage_layers(7, 12, 4, 3)
+    assert [index_sharing.index_source_layer(L, 4, 3) for L in range(1, 13)] == [1, 2, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11]
+    index_sharing.check_stage_layers(7, 12, 4, 3)
     with pytest.raises(ValueError, match="starting at layer 5 would reuse the DSA indices of layer 3"):
-        indexer.check_stage_layers(5, 8, 4, 3)
+        index_sharing.check_stage_layers(5, 8, 4, 3)
 
 
 @pytest.mark.parametrize("K", [6, 64])
@@ -247,19 +247,19 @@ def test_indexer_loss_equals_megatron_core(K):
     T, H, D = 20, 4, 24
     q, kv = torch.randn(T, H, D), torch.randn(T, D)
     iq, ik, iw = torch.randn(T, 2, 8), torch.randn(T, 8), torch.randn(T, 2)
-    vis = indexer.Visibility.causal(T)
+    vis = visibility.Visibility.causal(T)
     idx = indexer.select_topk(iq, ik, iw, K, vis)
     dense = indexer.index_scores(iq, ik, iw).masked_fill(~vis.mask(), float("-inf"))
     logits = dense.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, float("-inf"))
     torch.testing.assert_close(indexer.selected_scores_reference(iq, ik, iw, idx), logits)
-    ours = indexer.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001)
+    ours = indexer_loss.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001)
     pg = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
     theirs = compute_dsa_indexer_loss(dense[None].clone(), idx[None].long(), q[:, None], kv[:, None, None].expand(T, 1, H, D),
                                       0.2, 0.001, True, pg)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-9)
     # gradient flows to the indexer side only, and equals megatron-core's at the selected slots
     logits.requires_grad_(True)
-    indexer.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001).backward()
+    indexer_loss.indexer_kl_loss(logits, q, kv, idx, 0.2, 0.001).backward()
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
     dense_leaf = dense[None].clone().requires_grad_(True)
     compute_dsa_indexer_loss(dense_leaf * 1.0, idx[None].long(), q[:, None], kv[:, None, None].expand(T, 1, H, D),
@@ -289,14 +289,14 @@ def test_indexer_kl_gradient_in_row_blocks_scaled_by_the_upstream_gradient():
     (want * 2.5).backward()
     for rows in (3, 4096):
         x = logits.clone().requires_grad_(True)
-        got = indexer.indexer_kl_loss_from_target(x, target.clone(), idx, 0.3, chunk_rows=rows)
+        got = indexer_loss.indexer_kl_loss_from_target(x, target.clone(), idx, 0.3, chunk_rows=rows)
         torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-8)
         (got * 2.5).backward(retain_graph=True)
         torch.testing.assert_close(x.grad, leaf.grad, rtol=1e-5, atol=1e-8)
         with pytest.raises(RuntimeError, match="second backward"):
             got.backward()
     with torch.no_grad():  # no gradient asked: nothing kept, same value
-        torch.testing.assert_close(indexer.indexer_kl_loss_from_target(logits, target, idx, 0.3, chunk_rows=5), want.detach(),
+        torch.testing.assert_close(indexer_loss.indexer_kl_loss_from_target(logits, target, idx, 0.3, chunk_rows=5), want.detach(),
                                    rtol=1e-6, atol=1e-8)
 
 
@@ -312,6 +312,6 @@ def test_indexer_kl_keeps_one_tk_tensor_for_backward():
         kept.append(t)
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = indexer.indexer_kl_loss_from_target(logits, torch.rand(T, K), idx, 0.1)
+        loss = indexer_loss.indexer_kl_loss_from_target(logits, torch.rand(T, K), idx, 0.1)
     assert [(tuple(t.shape), t.dtype) for t in kept] == [((T, K), torch.float32)]
     loss.backward()

@@ -5,7 +5,7 @@ the indexer's gradients, the logged value, and megatron-core's loss-scale on tha
 import pytest
 import torch
 
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, indexer_loss, visibility
 from megatron_cpu import megatron_single_process  # noqa: F401
 from tiny_models import core_attention
 
@@ -24,7 +24,7 @@ def _inputs(card):
 def _forward_formed(att, d, coeff):
     """The loss from the forward's view: logits at the module's own top-k, target by the PyTorch
     definition (no lse, no attention backward), autograd through indexer_kl_loss."""
-    vis = indexer.Visibility.uniform(B, S)
+    vis = visibility.Visibility.uniform(B, S)
     xs, qrs = (t.transpose(0, 1).reshape(B * S, -1) for t in (d["x"], d["qr"]))
     qi, ki, wi = att.indexer.qkw(xs, qrs, vis.query_pos)
     idx = att.indexer.select_topk(qi.detach(), ki.detach(), wi.detach(), vis,
@@ -32,8 +32,8 @@ def _forward_formed(att, d, coeff):
     logits = indexer.selected_scores(qi, ki, wi, idx)
     q = d["query"].transpose(0, 1).reshape(B * S, *d["query"].shape[2:])
     kv = d["key"].transpose(0, 1).reshape(B * S, -1)
-    target = indexer.attention_target_reference(q, kv, idx, att.softmax_scale)
-    return indexer.indexer_kl_loss_from_target(logits, target, idx, coeff)
+    target = indexer_loss.attention_target_reference(q, kv, idx, att.softmax_scale)
+    return indexer_loss.indexer_kl_loss_from_target(logits, target, idx, coeff)
 
 
 @pytest.mark.parametrize("scale", [None, 0.25])

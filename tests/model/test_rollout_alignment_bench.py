@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, visibility
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_rollout_alignment.py")
 _spec = importlib.util.spec_from_file_location("bench_rollout_alignment", _PATH)
@@ -55,7 +55,7 @@ def small(monkeypatch):
     """Top-k 16 over 80 keys: rows past 16 choose, the two indexer scorings disagree somewhere."""
     monkeypatch.setattr(bench, "TOPK", 16)
     T = 80
-    return T, bench.make_inputs(T, torch.device("cpu")), indexer.Visibility.causal(T)
+    return T, bench.make_inputs(T, torch.device("cpu")), visibility.Visibility.causal(T)
 
 
 def test_rollout_matched_training_reproduces_the_rollout_and_bf16_does_not(small):

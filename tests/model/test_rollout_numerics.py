@@ -6,7 +6,7 @@ import torch
 
 from glm5_dsa_plugin.checkpoints import cards
 from glm5_dsa_plugin.model import attention as attn_mod
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, visibility
 from glm5_dsa_plugin.model import rollout_numerics as rn
 from glm5_dsa_plugin.model.dsa_fields import check_dsa_config
 from glm5_dsa_plugin.ops import fp8_kv
@@ -102,7 +102,7 @@ def test_fp8_indexer_selects_the_fp8_topk_and_bf16_keeps_the_reference(megatron_
         inp = _inputs(card)
         with torch.no_grad():
             _, seen = _run(att, inp, monkeypatch=monkeypatch)
-            vis = indexer.Visibility.causal(S)
+            vis = visibility.Visibility.causal(S)
             q, k, w = att.indexer.qkw(inp["x"][:, 0], inp["qr"][:, 0], vis.query_pos)
             if precision == "fp8":
                 ref = fp8_index.fp8_select_topk(q, k, w, 8, vis.mask)
@@ -116,7 +116,7 @@ def test_sparse_mla_reads_the_topk_in_key_order_from_key_order_min_keys(megatron
     card, cfg = _config(dsa_indexer_precision="bf16", dsa_kv_fp8_qat=False)
     att = _attention(cfg).eval()
     inp = _inputs(card)
-    vis = indexer.Visibility.causal(S)
+    vis = visibility.Visibility.causal(S)
     with torch.no_grad():
         q, k, w = att.indexer.qkw(inp["x"][:, 0], inp["qr"][:, 0], vis.query_pos)
         topk = indexer.select_topk(q, k, w, 8, vis)

@@ -4,7 +4,7 @@ boundaries, and (GPU) no host read on the bshd path or for boundaries handed ove
 import pytest
 import torch
 
-from glm5_dsa_plugin.model.indexer import Visibility
+from glm5_dsa_plugin.model.visibility import Visibility
 
 
 def loop_visibility(cu, padded=None):

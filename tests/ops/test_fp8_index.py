@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, visibility
 from glm5_dsa_plugin.ops.indexer import fp8_index as f8
 
 
@@ -114,7 +114,7 @@ def test_topk_order_ties_and_padding_hand_worked():
 def test_topk_order_matches_deterministic_topk_on_many_ties():
     g = torch.Generator().manual_seed(3)
     sc = torch.randint(0, 4, (16, 40), generator=g).float()
-    sc = sc.masked_fill(~indexer.Visibility.causal(40).mask(slice(24, 40)), float("-inf"))
+    sc = sc.masked_fill(~visibility.Visibility.causal(40).mask(slice(24, 40)), float("-inf"))
     assert torch.equal(f8.topk_ordered(sc, 12), indexer.deterministic_topk(sc, 12))
 
 
@@ -124,7 +124,7 @@ def test_fp8_select_topk_is_the_ordered_topk_of_masked_fp8_scores_in_any_chunkin
     q = torch.randn(T, Hi, 128).to(torch.bfloat16)
     k = torch.randn(T, 128).to(torch.bfloat16)
     w = torch.randn(T, Hi)
-    vis = indexer.Visibility.from_cu_seqlens(torch.tensor([0, 20, 37]))
+    vis = visibility.Visibility.from_cu_seqlens(torch.tensor([0, 20, 37]))
     full = f8.fp8_index_scores(q, k, w).masked_fill(~vis.mask(), float("-inf"))
     ref = indexer.deterministic_topk(full, 8)
     for chunk in (None, 5):
@@ -159,6 +159,6 @@ def test_zero_query_row_scores_zero_and_selects_visible_keys_in_index_order_then
     sc = f8.fp8_index_scores(q, k, w)
     assert torch.isfinite(sc).all()
     assert (sc[4] == 0).all() and (sc[:, 2] == 0).all()
-    got = f8.fp8_select_topk(q, k, w, 8, indexer.Visibility.causal(T).mask)
+    got = f8.fp8_select_topk(q, k, w, 8, visibility.Visibility.causal(T).mask)
     assert got[4].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
     assert got[1].tolist()[2:] == [-1] * 6 and sorted(got[1, :2].tolist()) == [0, 1]

@@ -5,12 +5,12 @@ from triton_interpreter import run_interpreted
 
 SLOT_SCORES = r"""
 import torch
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, visibility
 from glm5_dsa_plugin.ops.indexer.slot_scores import slot_scores_forward, slot_scores_backward
 
 g = torch.Generator().manual_seed(0)
 T, Hi, Di, K = 37, 3, 32, 9
-vis = indexer.Visibility.from_cu_seqlens(torch.tensor([0, 20, 37]))
+vis = visibility.Visibility.from_cu_seqlens(torch.tensor([0, 20, 37]))
 q, k, w = torch.randn(T, Hi, Di, generator=g), torch.randn(T, Di, generator=g), torch.randn(T, Hi, generator=g)
 idx = indexer.select_topk(q, k, w, K, vis)                  # rows 0..7 of each sequence carry -1 padding
 assert (idx < 0).any() and (idx >= 0).any()
@@ -38,12 +38,12 @@ print("OK")
 
 TARGET = r"""
 import torch
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, indexer_loss, visibility
 from glm5_dsa_plugin.ops.indexer.attention_target import head_prob_sum
 
 g = torch.Generator().manual_seed(1)
 T, H, D, K, scale = 29, 5, 40, 7, 0.3
-vis = indexer.Visibility.causal(T)
+vis = visibility.Visibility.causal(T)
 idx = indexer.select_topk(torch.randn(T, 2, 16, generator=g), torch.randn(T, 16, generator=g),
                      torch.randn(T, 2, generator=g), K, vis)
 idx[3] = -1                                            # a row with no valid slot
@@ -53,7 +53,7 @@ s = torch.einsum("thd,tkd->thk", q, kv[idx.clamp(min=0).long()]) * scale
 lse = s.masked_fill(~valid[:, None, :], float("-inf")).logsumexp(-1)
 lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, -1.0e30))  # the op's empty-row lse
 got = head_prob_sum(q, kv, lse, idx, scale, block_slots=4, block_d=16)
-want = indexer.attention_target_reference(q, kv, idx, scale)
+want = indexer_loss.attention_target_reference(q, kv, idx, scale)
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 assert torch.equal(got[3], torch.zeros(K)) and torch.equal(got[~valid], torch.zeros_like(got[~valid]))
 torch.testing.assert_close(got.sum(-1)[valid.any(-1)], torch.full((int(valid.any(-1).sum()),), float(H)))
@@ -94,12 +94,12 @@ print("OK")
 
 KEYS = r"""
 import torch
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, visibility
 from glm5_dsa_plugin.ops.indexer.masked_scores import masked_index_scores
 
 g = torch.Generator().manual_seed(2)
 cu = torch.tensor([0, 13, 40])
-vis = indexer.Visibility.from_cu_seqlens(cu)
+vis = visibility.Visibility.from_cu_seqlens(cu)
 T, Hi, Di, K = 40, 2, 16, 10
 # small integers: many exactly tied scores, so the order among ties is tested
 q = torch.randint(-1, 2, (T, Hi, Di), generator=g).float()

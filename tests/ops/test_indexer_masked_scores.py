@@ -9,7 +9,7 @@ import pytest
 
 SCRIPT = r"""
 import torch
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, visibility
 from glm5_dsa_plugin.ops.indexer.masked_scores import masked_index_scores
 
 def check(vis, T_kv, Hi=3, Di=32, seed=0):
@@ -23,13 +23,13 @@ def check(vis, T_kv, Hi=3, Di=32, seed=0):
     fin = torch.isfinite(want)
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-4)
 
-check(indexer.Visibility.causal(45), 45)
+check(visibility.Visibility.causal(45), 45)
 cu = torch.tensor([0, 5, 17, 30])
-check(indexer.Visibility.from_cu_seqlens(cu), 30)
-padded = indexer.Visibility.from_cu_seqlens(torch.tensor([0, 5, 12]), cu_seqlens_padded=torch.tensor([0, 8, 24]))
+check(visibility.Visibility.from_cu_seqlens(cu), 30)
+padded = visibility.Visibility.from_cu_seqlens(torch.tensor([0, 5, 12]), cu_seqlens_padded=torch.tensor([0, 8, 24]))
 check(padded, 24)
 rows = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15, 16, 17, 18, 19, 28, 29, 30, 31])  # a CP rank's chunks
-full = indexer.Visibility.causal(32)
+full = visibility.Visibility.causal(32)
 check(full.rows(rows), 32)
 print("OK")
 """
@@ -44,12 +44,12 @@ def test_triton_scores_match_torch_in_interpreter():
 
 FP8_SCRIPT = r"""
 import torch
-from glm5_dsa_plugin.model import indexer
+from glm5_dsa_plugin.model import indexer, visibility
 from glm5_dsa_plugin.ops.indexer import fp8_index
 from glm5_dsa_plugin.ops.indexer.masked_scores import masked_index_scores
 
 g = torch.Generator().manual_seed(3)
-vis = indexer.Visibility.from_cu_seqlens(torch.tensor([0, 7, 30, 41]))
+vis = visibility.Visibility.from_cu_seqlens(torch.tensor([0, 7, 30, 41]))
 T, Hi, K = 41, 4, 8
 # magnitudes spread over channels and rows, so the e4m3 scales differ per row / head / key
 q = (torch.randn(T, Hi, 128, generator=g) * torch.rand(T, Hi, 1, generator=g) * 8).to(torch.bfloat16)

@@ -95,11 +95,11 @@ def test_three_launchers_share_attention_and_kernel_entry(monkeypatch, megatron_
 
 
 def test_ppo_fixture_has_all_padding_rows_with_exact_zero_gradients(megatron_single_process):
-    from glm5_dsa_plugin.model import indexer
+    from glm5_dsa_plugin.model import indexer, visibility
 
     roll = torch.load("tests/fixtures/rollouts_tiny.pt")
     psp = ppo.packed_params(roll, "cpu")
-    vis = indexer.Visibility.from_cu_seqlens(psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded)
+    vis = visibility.Visibility.from_cu_seqlens(psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded)
     pad_rows = ~vis.mask().any(-1)
     assert pad_rows.sum() >= 10  # pad tokens: their top-k is all -1
     idx = indexer.select_topk(torch.randn(88, 2, 8), torch.randn(88, 8), torch.randn(88, 2), 8, vis)
@@ -149,7 +149,7 @@ def test_dry_run_glm52_reported_layout():
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit() and "compute [" in line]
     assert len(rows) == 8
     firsts = [int(r[1].split("-")[0]) for r in rows]
-    from glm5_dsa_plugin.model.indexer import computes_indices
+    from glm5_dsa_plugin.model.index_sharing import computes_indices
 
     assert all(computes_indices(f, 4, 3) for f in firsts) and rows[-1][-1] == "+MTP"
     assert int(rows[-1][1].split("-")[1]) == 78

@@ -7,16 +7,17 @@
 * :mod:`.radix_topk`: the top-k of wide fp32 score rows by radix select.
 
 The exact PyTorch definitions of all of them live with the model (:mod:`glm5_dsa_plugin.model.indexer`);
-these kernels are its fast path on CUDA. :func:`triton_available` says whether they may run;
-:func:`disable` switches them off for the process after a kernel failed (one warning, then the
-PyTorch path, which is exact too).
+these kernels are its fast path on CUDA. :func:`triton_available` says whether they may run,
+:func:`runs_on` whether they take a tensor's work; :func:`disable` switches them off for the
+process after a kernel failed (one warning, then the PyTorch path, which is exact too), which
+:func:`call_or_none` does for its caller.
 """
 
 from __future__ import annotations
 
 import warnings
 
-__all__ = ["disable", "triton_available", "status"]
+__all__ = ["call_or_none", "disable", "runs_on", "status", "triton_available"]
 
 _STATE: dict[str, object] = {"ok": None, "why": "not checked yet"}
 
@@ -39,6 +40,21 @@ def disable(exc: BaseException, stacklevel: int = 3) -> None:
         warnings.warn(f"indexer Triton kernel unavailable ({type(exc).__name__}: {exc}); using the torch path",
                       RuntimeWarning, stacklevel=stacklevel)
     _STATE.update(ok=False, why=f"a kernel failed ({type(exc).__name__}: {exc})")
+
+
+def runs_on(t) -> bool:
+    """Whether the kernels take this tensor's work: it is on CUDA and they are not switched off."""
+    return t.is_cuda and triton_available()
+
+
+def call_or_none(kernel, *args, **kwargs):
+    """``kernel(*args, **kwargs)``, or None (after one warning; the kernels are then off) if it cannot
+    run here: the caller falls back to its exact PyTorch path."""
+    try:
+        return kernel(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a performance path
+        disable(exc, stacklevel=4)
+        return None
 
 
 def status() -> str:

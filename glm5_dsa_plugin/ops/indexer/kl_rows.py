@@ -10,7 +10,7 @@ For each row t, over its valid slots V_t = {j : idx[t, j] >= 0}:
 logits and target [T, K] fp32, idx [T, K] int32 (-1 padding); loss [T] fp32; grad = d loss[t] /
 d logits[t, j], written over ``target`` (each program reads its row before writing it). A row
 without a valid slot has loss 0 and grad 0. The same values, to fp32 rounding, as the PyTorch
-definition in :func:`glm5_dsa_plugin.model.indexer.indexer_kl_loss_from_target`, which makes a
+definition in :func:`glm5_dsa_plugin.model.indexer_loss.indexer_kl_loss_from_target`, which makes a
 pass over [T, K] per elementwise step where this reads and writes each row once. Runs under
 ``TRITON_INTERPRET=1`` on CPU.
 """
