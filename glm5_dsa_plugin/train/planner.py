@@ -43,7 +43,7 @@ def balanced_split(n_layers: int, pp: int, freq: int, offset: int) -> list[tuple
     """Stages (first, last), 1-indexed, minimising the largest stage; every first layer computes indices."""
     if pp > n_layers:
         raise ValueError(f"pp={pp} > {n_layers} layers")
-    ok = [computes for computes in (index_sharing.computes_indices(L, freq, offset) for L in range(1, n_layers + 2))]
+    ok = [index_sharing.computes_indices(L, freq, offset) for L in range(1, n_layers + 2)]
     INF = math.inf
     # best[k][i]: minimal max stage length splitting layers [1, i] into k stages
     best = [[INF] * (n_layers + 1) for _ in range(pp + 1)]
