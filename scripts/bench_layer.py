@@ -25,7 +25,10 @@ fwd+bwd (weights and their grads included), model TFLOP/s over fwd+bwd and its M
 bf16 peak. Every row carries ``floor``: each part's model FLOPs, minimum HBM bytes and floor ms (the
 larger of FLOPs at ``--floor-tflops`` and bytes at the card's HBM bandwidth). With ``--breakdown``
 ours' rows also carry ``breakdown``: each part timed alone at the layer's shapes (fwd + bwd where it
-has one; ``projections_mlp`` is the layer minus the other parts), printed beside its floor.
+has one; ``projections_mlp`` is the layer minus the other parts), printed beside its floor, and on
+a GPU ``kernels``: the kernel time of one fwd + bwd step inside the layer by kernel group
+(``KERNEL_GROUPS``: sparse MLA forward / backward / passes, indexer scores, top-k select, indexer
+loss, GEMMs, norms, the rest as glue), with ``busy`` and ``span``.
 An out-of-memory or other failure is a row with ``error`` set. Before timing, ours is checked against
 megatron-core's layer with the same indices (both built as index-reusing layers and handed the same
 top-k): output and every gradient.
@@ -268,6 +271,65 @@ def breakdown_ours(lay, x, dims, device, warmup, rep) -> dict:
     return out
 
 
+# groups of the in-layer kernel split (``--breakdown`` on a GPU): (group, exact kernel names, name
+# fragments); the first group that matches takes a kernel, the rest is "glue" (elementwise, copies,
+# concatenations, fills, reductions)
+KERNEL_GROUPS = (
+    ("sparse_mla_forward", ("fwd_kernel",), ()),
+    ("sparse_mla_backward", ("bwd_kernel",), ()),
+    ("sparse_mla_passes", ("_prepare_indices_kernel", "_finish_backward_kernel", "_head_prob_sum_kernel",
+                           "_segment_sum_kernel", "_check_forward_kernel", "_nonfinite_kernel"),
+     ("_mark_bad_", "_repair_", "_write_bad_kv_rows")),
+    ("indexer_scores", ("_index_scores_kernel",), ()),
+    ("topk_select", ("_radix_select_kernel",), ("topk", "TopK", "Sort", "sort")),
+    ("indexer_loss", ("_slot_scores_fwd_kernel", "_slot_scores_bwd_kernel", "_kl_rows_kernel"), ()),
+    ("gemm", (), ("nvjet", "gemm", "cutlass", "xmma", "splitKreduce")),
+    ("norms", (), ("layer_norm", "rms_norm", "GammaBeta", "RowwiseMoments")),
+)
+
+
+def kernel_group(name: str) -> str:
+    """The :data:`KERNEL_GROUPS` group of a GPU kernel's name, else ``"glue"``."""
+    for group, exact, fragments in KERNEL_GROUPS:
+        if name in exact or any(f in name for f in fragments):
+            return group
+    return "glue"
+
+
+def kernel_split(step, steps: int = 2) -> dict:
+    """GPU kernel time of one ``step()`` inside the layer, ms per :func:`kernel_group` group (torch
+    profiler over ``steps`` steps after one unprofiled step), with ``busy`` (all kernels) and ``span``
+    (first kernel's start to last kernel's end, per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    out = {group: 0.0 for group, _, _ in KERNEL_GROUPS} | {"glue": 0.0}
+    for e in kernels:
+        out[kernel_group(e.name)] += (e.time_range.end - e.time_range.start) / 1e3 / steps
+    out["busy"] = sum(out.values())
+    if kernels:
+        out["span"] = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3 / steps
+    return out
+
+
+def kernels_table(result: dict) -> str:
+    """ours' in-layer kernel time per group (ms per fwd + bwd step), one column per (layer, T)."""
+    rows = [r for r in result["rows"] if r["impl"] == "ours" and r.get("kernels")]
+    if not rows:
+        return ""
+    groups = [g for g, _, _ in KERNEL_GROUPS] + ["glue", "busy", "span"]
+    lines = [f"{'kernels':20} " + " ".join(f"{r['layer'] + ' ' + str(r['T'] // 1024) + 'K':>11}" for r in rows)]
+    for g in groups:
+        lines.append(f"{g:20} " + " ".join(f"{r['kernels'].get(g, 0.0):>11.2f}" for r in rows))
+    return "\n".join(lines)
+
+
 def check_same_indices(dims, layer: str, T: int, device: str) -> dict:
     """Ours vs megatron-core's layer as index-reusing layers handed the same top-k: output and grads."""
     from glm5_dsa_plugin.model import indexer, visibility
@@ -333,7 +395,7 @@ def attach_own_replay(lay, cfg, x) -> None:
 
 def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
     row = dict(layer=layer, T=T, impl=impl, fwd_ms=None, fwd_bwd_ms=None, peak_gib=None, tflops=None, mfu=None,
-               breakdown=None, floor=None, error=None, date=None)
+               breakdown=None, kernels=None, floor=None, error=None, date=None)
     lay = None
     try:
         cfg = make_config(dims, layer, impl, device)
@@ -360,6 +422,8 @@ def run_one(dims, layer, T, impl, device, warmup, rep, breakdown: bool) -> dict:
             parts = breakdown_ours(lay, x, dims, device, warmup, rep)
             parts["projections_mlp"] = max(0.0, row["fwd_bwd_ms"] - sum(parts.values()))
             row["breakdown"] = parts
+            if device == "cuda":
+                row["kernels"] = kernel_split(fwd_bwd)
     except Exception as exc:  # noqa: BLE001 - an out-of-memory is a row, not a crash
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         if not isinstance(exc, torch.OutOfMemoryError):
@@ -546,7 +610,7 @@ def main(argv=None) -> int:
         with open(a.out) as f:
             result = json.load(f)
         if a.table:
-            print(markdown_table(result) + "\n\n" + breakdown_table(result))
+            print("\n\n".join(t for t in (markdown_table(result), breakdown_table(result), kernels_table(result)) if t))
         else:
             chart(result, png)
         return 0
@@ -618,7 +682,7 @@ def main(argv=None) -> int:
     except ImportError as exc:
         print("no chart:", exc)
     if a.breakdown:
-        print("\n" + breakdown_table(result))
+        print("\n" + "\n\n".join(t for t in (breakdown_table(result), kernels_table(result)) if t))
     print(f"\n{'layer':6} {'T':>6} {'impl':13} {'fwd ms':>9} {'f+b ms':>9} {'peak GiB':>9} {'TF/s':>6}  error")
     for r in result["rows"]:
         f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
