@@ -56,6 +56,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_events
 
 GLM5 = dict(hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
             qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128, index_topk=2048,
@@ -300,21 +301,15 @@ def kernel_split(step, steps: int = 2) -> dict:
     """GPU kernel time of one ``step()`` inside the layer, ms per :func:`kernel_group` group (torch
     profiler over ``steps`` steps after one unprofiled step), with ``busy`` (all kernels) and ``span``
     (first kernel's start to last kernel's end, per step)."""
-    from torch.profiler import ProfilerActivity, profile
+    from kernel_events import kernel_events
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = kernel_events(step, steps)
     out = {group: 0.0 for group, _, _ in KERNEL_GROUPS} | {"glue": 0.0}
-    for e in kernels:
-        out[kernel_group(e.name)] += (e.time_range.end - e.time_range.start) / 1e3 / steps
+    for start, end, name in kernels:
+        out[kernel_group(name)] += (end - start) / 1e3 / steps
     out["busy"] = sum(out.values())
     if kernels:
-        out["span"] = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3 / steps
+        out["span"] = (max(end for _, end, _ in kernels) - kernels[0][0]) / 1e3 / steps
     return out
 
 

@@ -23,6 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_events
 
 from glm5_dsa_plugin.ops import configure, sparse_mla  # noqa: E402
 from glm5_dsa_plugin.ops import reference as ref  # noqa: E402
@@ -191,17 +192,9 @@ def gpu_idle(step, calls=3, top=6):
     (GPU-idle microseconds per call between the first and last GPU activity, the ``top`` largest
     gaps as "us: kernel before -> kernel after", GPU microseconds per call by kernel name: the
     ``top`` largest and the rest summed)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from kernel_events import kernel_events
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                 if e.device_type == DeviceType.CUDA)
+    gpu = kernel_events(step, calls)
     gaps, end, prev = [], gpu[0][0], gpu[0][2]
     for start, stop, name in gpu:
         if start > end:
