@@ -72,9 +72,9 @@ def topk_from_keys(keys: torch.Tensor, topk: int, ordered: bool = True) -> torch
 
 
 # kv rows from which sparse MLA reads each row's top-k in key order (slots_in_key_order): at 64K the
-# backward's fp32 dKV [T_kv, 576] atomics stay in L2; at 16K the top-k selected in key order skips
-# the radix select's int64 sort; docs/kernels.md has the figures
-KEY_ORDER_MIN_KEYS = 16384
+# backward's fp32 dKV [T_kv, 576] atomics stay in L2; at every T the top-k selected in key order
+# skips the radix select's score-order output and torch.topk's sort; docs/kernels.md has the figures
+KEY_ORDER_MIN_KEYS = 0
 
 
 def slots_in_key_order(indices: torch.Tensor) -> torch.Tensor:
@@ -107,8 +107,9 @@ def attention_slot_order(indices: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 
 # keys per row (the block's key prefix) from which a GPU block selects by the radix-select kernel
-# over fp32 scores instead of torch.topk over the int64 keys (docs/kernels.md has the crossover)
-RADIX_MIN_KEYS = 8192
+# over fp32 scores instead of torch.topk over the int64 keys: any prefix wider than GLM-5's top-k of
+# 2048 (docs/kernels.md has the layer figures)
+RADIX_MIN_KEYS = 2049
 
 _KEY_CHUNK_BYTES = 1 << 29  # int64 keys of one row block on a GPU (the only O(rows x T_kv) buffer)
 

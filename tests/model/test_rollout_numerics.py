@@ -109,7 +109,8 @@ def test_fp8_indexer_selects_the_fp8_topk_and_bf16_keeps_the_reference(megatron_
                 assert not torch.equal(ref, indexer.select_topk(q, k, w, 8, vis))  # the two scorings differ here
             else:
                 ref = indexer.select_topk(q, k, w, 8, vis)
-        assert torch.equal(seen["indices"], ref), precision
+        # the attention reads each row's slots in key order (indexer.attention_slot_order)
+        assert torch.equal(seen["indices"], indexer.attention_slot_order(ref, S)), precision
 
 
 def test_sparse_mla_reads_the_topk_in_key_order_from_key_order_min_keys(megatron_single_process, monkeypatch):
@@ -120,6 +121,7 @@ def test_sparse_mla_reads_the_topk_in_key_order_from_key_order_min_keys(megatron
     with torch.no_grad():
         q, k, w = att.indexer.qkw(inp["x"][:, 0], inp["qr"][:, 0], vis.query_pos)
         topk = indexer.select_topk(q, k, w, 8, vis)
+        monkeypatch.setattr(indexer, "KEY_ORDER_MIN_KEYS", S + 1)
         out_topk, seen = _run(att, inp, monkeypatch=monkeypatch)
         assert torch.equal(seen["indices"], topk)  # S kv rows < KEY_ORDER_MIN_KEYS: the top-k's order
         monkeypatch.setattr(indexer, "KEY_ORDER_MIN_KEYS", S)
