@@ -125,16 +125,17 @@ def _check_config(config) -> None:
 
 
 def dsa_attention_spec(config, backend=None, cp_layout: str = "zigzag", mtp: bool = False) -> ModuleSpec:
-    """AbsorbedMLASelfAttention whose core attention is :class:`GLM5DSAttention`; ``cp_layout`` is
+    """:class:`~glm5_dsa_plugin.model.absorbed_mla.GLM5AbsorbedMLA` (megatron-core's
+    AbsorbedMLASelfAttention with the query absorbed in place) whose core attention is
+    :class:`GLM5DSAttention`; ``cp_layout`` is
     the allgather-CP layout (see :mod:`glm5_dsa_plugin.model.cp_layout`). With the contiguous
     layout and ``context_parallel_size > 1`` the self-attention module is
     :class:`~glm5_dsa_plugin.model.contiguous_cp_mla.ContiguousCPAbsorbedMLA` (megatron-core's MLA with
     RoPE at the contiguous layout's positions; same parameters), on either backend. ``mtp``: the
     MTP layer's attention (computes its own indices; indexer replay and recording skip it)."""
-    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
-        AbsorbedMLASelfAttention,
-        AbsorbedMLASelfAttentionSubmodules,
-    )
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttentionSubmodules
+
+    from ..model.absorbed_mla import GLM5AbsorbedMLA
 
     backend = backend or _backend(config)
     rms = config.normalization == "RMSNorm"
@@ -156,7 +157,7 @@ def dsa_attention_spec(config, backend=None, cp_layout: str = "zigzag", mtp: boo
             )
         ),
     )
-    mla = AbsorbedMLASelfAttention
+    mla = GLM5AbsorbedMLA
     if cp_layout == "contiguous" and (getattr(config, "context_parallel_size", 1) or 1) > 1:
         from ..model.contiguous_cp_mla import ContiguousCPAbsorbedMLA
 

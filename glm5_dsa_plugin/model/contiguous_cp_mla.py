@@ -24,10 +24,10 @@ from typing import Optional
 
 import torch
 
-from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from . import cp_layout
+from .absorbed_mla import GLM5AbsorbedMLA
 
 __all__ = ["ContiguousCPAbsorbedMLA"]
 
@@ -75,10 +75,10 @@ class _RowPositionsRotary(torch.nn.Module):
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-class ContiguousCPAbsorbedMLA(AbsorbedMLASelfAttention):
-    """``AbsorbedMLASelfAttention`` whose RoPE rotates q / k by the positions of slime's contiguous
+class ContiguousCPAbsorbedMLA(GLM5AbsorbedMLA):
+    """:class:`~glm5_dsa_plugin.model.absorbed_mla.GLM5AbsorbedMLA` whose RoPE rotates q / k by the positions of slime's contiguous
     allgather-CP layout (module docstring). Same constructor, forward, submodules and parameter
-    names; with CP = 1 it is megatron-core's class unchanged.
+    names; with CP = 1 it is its parent unchanged.
 
     Inputs as megatron-core's: bshd ``hidden_states`` [s_local (/ tp with sequence parallel), b, h]
     where rank ``r`` holds positions ``[r * s_local, (r + 1) * s_local)`` of every row; packed THD

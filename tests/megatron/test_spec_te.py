@@ -20,6 +20,7 @@ import types
 import pytest
 
 from glm5_dsa_plugin.model import attention as ours_attention
+from glm5_dsa_plugin.model.absorbed_mla import GLM5AbsorbedMLA
 from glm5_dsa_plugin.megatron import spec
 from megatron_cpu import megatron_single_process  # noqa: F401
 from tiny_models import tiny_config
@@ -32,6 +33,8 @@ _OURS_FOR_MC = {
     ours_attention.GLM5DSAIndexer: "megatron.core.transformer.experimental_attention_variant.dsa.DSAIndexer",
     ours_attention.GLM5DSAIndexerSubmodules:
         "megatron.core.transformer.experimental_attention_variant.dsa.DSAIndexerSubmodules",
+    # megatron-core's absorbed MLA with its query absorbed in place (same parameters and interface)
+    GLM5AbsorbedMLA: "megatron.core.transformer.experimental_attention_variant.absorbed_mla.AbsorbedMLASelfAttention",
 }
 
 

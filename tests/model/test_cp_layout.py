@@ -110,10 +110,9 @@ def test_positions_in_sequence_bshd_and_errors():
 def test_spec_builds_contiguous_cp_mla_for_slime_layout(megatron_single_process):
     """--allgather-cp with CP > 1: every layer (and the MTP layer) gets the MLA that rotates q / k by
     contiguous positions, with the contiguous core attention; CP = 1 or the zigzag layout keep
-    megatron-core's class."""
-    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
-
+    the default MLA class."""
     from glm5_dsa_plugin.checkpoints import cards
+    from glm5_dsa_plugin.model.absorbed_mla import GLM5AbsorbedMLA
     from glm5_dsa_plugin.model.contiguous_cp_mla import ContiguousCPAbsorbedMLA
     from glm5_dsa_plugin.spec import get_glm5_dsa_mtp_spec, get_glm5_dsa_spec
 
@@ -128,8 +127,8 @@ def test_spec_builds_contiguous_cp_mla_for_slime_layout(megatron_single_process)
         return [ls.submodules.self_attention for ls in layers]
 
     for args, cp, mla, layout in ((Slime(), 2, ContiguousCPAbsorbedMLA, "contiguous"),
-                                  (Slime(), 1, AbsorbedMLASelfAttention, "contiguous"),
-                                  (None, 2, AbsorbedMLASelfAttention, "zigzag")):
+                                  (Slime(), 1, GLM5AbsorbedMLA, "contiguous"),
+                                  (None, 2, GLM5AbsorbedMLA, "zigzag")):
         specs = attention_specs(args, cp)
         assert len(specs) == 5
         for att in specs:

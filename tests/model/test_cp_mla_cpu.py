@@ -3,9 +3,10 @@ the spec builds (megatron-core's absorbed MLA: projections, norms, RoPE, our DSA
 output projection) on CPU with gloo: CP = 2 and CP = 4 against CP = 1, in one spawn of four
 processes (CP = 2 runs as two CP groups of two).
 
-The CP = 1 reference is megatron-core's own ``AbsorbedMLASelfAttention`` (what the spec builds
-without CP); each rank's input is slime's slicing of the global tensors (``chunk(cp)[rank]`` of the
-packed stream, of each bshd row). Gradient conventions as in tests/model/test_cp_cpu.py: the
+The CP = 1 reference is ``GLM5AbsorbedMLA`` (what the spec builds without CP; it equals
+megatron-core's own ``AbsorbedMLASelfAttention``, tests/model/test_absorbed_mla.py); each rank's
+input is slime's slicing of the global tensors (``chunk(cp)[rank]`` of the packed stream, of each
+bshd row). Gradient conventions as in tests/model/test_cp_cpu.py: the
 upstream gradient is ``cp`` times the rank's rows of the CP = 1 one, parameter gradients are
 averaged over CP. Checked: output, input gradient, every parameter gradient, the indexer loss and
 the selected indices (GLM-5.2 index sharing: layer 3 computes, layer 4 reuses).
@@ -143,7 +144,7 @@ def check_parity(results, name, cp, world):
     for group in [list(range(g, g + cp)) for g in range(0, world, cp)]:
         for layer in LAYERS_SHARING:
             ref = results[0][(name, 1)][layer]
-            assert ref["module"] == "AbsorbedMLASelfAttention"
+            assert ref["module"] == "GLM5AbsorbedMLA"
             locs = [results[r][(name, cp)] for r in group]
             for r, loc in zip(group, locs):
                 rows, got = loc["rows"], loc[layer]
