@@ -75,6 +75,7 @@ def make_config(dims, layer: str, impl: str, device: str, reuse: bool = False):
                                 first_k_dense_replace=0 if layer == "moe" else 2,
                                 index_topk_freq=2 if reuse else 1, index_skip_topk_offset=1 if reuse else 0)
     over = dict(params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=device == "cpu",
+                bias_activation_fusion=device == "cuda",  # as the launchers (train.core.model_config)
                 transformer_impl="transformer_engine" if impl.endswith("_te") else "local",
                 moe_token_dispatcher_type="allgather", mtp_num_layers=None, moe_router_enable_expert_bias=False,
                 dsa_indexer_use_sparse_loss=impl != "mcore_dense")

@@ -170,8 +170,11 @@ def model_config(args, card: dict, **extra):
     te = False
     if args.device == "cuda":
         te = importlib.util.find_spec("transformer_engine") is not None
+    # on a GPU the SwiGLU is megatron-core's fused one (Megatron-LM's --bias-swiglu-fusion default): one
+    # compiled kernel each way, its input alone kept for the backward (docs/performance.md)
     kw = dict(moe_token_dispatcher_type="allgather", params_dtype=dtype, bf16=dtype == torch.bfloat16,
-              transformer_impl="transformer_engine" if te else "local", use_cpu_initialization=True)
+              transformer_impl="transformer_engine" if te else "local", use_cpu_initialization=True,
+              bias_activation_fusion=args.device == "cuda")
     kw.update(extra)
     pattern = None
     if getattr(args, "model", "gpt") == "hybrid":

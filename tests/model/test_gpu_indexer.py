@@ -180,24 +180,29 @@ def test_radix_select_blocks_equal_a_stable_sort_of_the_scores(packed):
     from glm5_dsa_plugin.ops import indexer as indexer_kernels
     from glm5_dsa_plugin.ops.indexer.masked_scores import masked_index_scores
 
-    T, Hi, Di, K = 3 * indexer.RADIX_MIN_KEYS, 32, 128, 2048
+    block, K = 1024, 2048
+    T, Hi, Di = 8 * block, 32, 128
     g = torch.Generator(device="cuda").manual_seed(11)
     q = torch.randn(T, Hi, Di, generator=g, device="cuda").to(torch.bfloat16)
     k = torch.randn(T, Di, generator=g, device="cuda").to(torch.bfloat16)
     w = torch.randn(T, Hi, generator=g, device="cuda").to(torch.bfloat16)
-    cu = torch.tensor([0, 5000, 5001, 20000, T]) if packed else torch.tensor([0, T])
+    cu = torch.tensor([0, 3000, 3001, 6000, T]) if packed else torch.tensor([0, T])
     vis = visibility.Visibility.from_cu_seqlens(cu, device="cuda")
-    block = indexer.RADIX_MIN_KEYS // 2
     idx = indexer.select_topk(q, k, w, K, vis, chunk_rows=block)
     assert indexer_kernels.triton_available(), indexer_kernels.status()
-    for t0 in range(2 * block, T, block):  # the blocks with a key prefix >= RADIX_MIN_KEYS
-        sub = vis.rows(torch.arange(t0, t0 + block, device="cuda"))
+    radix_blocks = 0
+    for t0 in range(0, T, block):
         m = t0 + block
+        if m < indexer.RADIX_MIN_KEYS or m <= K:  # the blocks whose key prefix takes the radix select
+            continue
+        radix_blocks += 1
+        sub = vis.rows(torch.arange(t0, m, device="cuda"))
         scores = masked_index_scores(q[t0:m], k[:m], w[t0:m], sub.query_seq, sub.query_pos, sub.qidx,
                                      sub.key_seq[:m], sub.key_pos[:m])
         vals, order = torch.sort(scores, dim=-1, descending=True, stable=True)
         want = torch.where(vals[:, :K] == float("-inf"), -1, order[:, :K]).to(torch.int32)
         assert torch.equal(idx[t0:m], want), t0
+    assert radix_blocks >= 4
     # the attention's key order at long T: the same entries, written by key by the radix select
     keyed = indexer.select_topk(q, k, w, K, vis, chunk_rows=block, key_order=True)
     assert torch.equal(keyed, indexer.slots_in_key_order(idx))
