@@ -56,12 +56,13 @@ def init_state(device: str) -> None:
     core.init_parallel(core.base_parser("state").parse_args(["--device", device]))
 
 
-def planned_peak(card: dict, seq: int, recompute: str = "none", lora_dim: int = 8) -> int:
-    """The dry run's peak for the slice trained as this script trains it (one rank, the launchers' AdamW)."""
+def planned_peak(card: dict, seq: int, recompute: str = "none", lora_dim: int = 8, fused_swiglu: bool = True) -> int:
+    """The dry run's peak for the slice trained as this script trains it (one rank, the launchers' AdamW;
+    ``fused_swiglu``: megatron-core's fused SwiGLU, as the launchers run on a GPU)."""
     from glm5_dsa_plugin.train import memory as mem
     from glm5_dsa_plugin.train import planner
 
-    training = mem.Training(lora_dim=lora_dim, optimizer="launcher", recompute=recompute)
+    training = mem.Training(lora_dim=lora_dim, optimizer="launcher", recompute=recompute, fused_swiglu=fused_swiglu)
     key = card["n_routed_experts"]  # the layers' parameters depend on the expert count only
     if key not in _KINDS:
         _KINDS[key] = planner.layer_kind_params(card, 1, 1)
@@ -181,13 +182,14 @@ def run_slice(experts: int, vocab: int | None, recompute: str, seqs: list[int], 
         times = step_s[1:] or step_s
         step_ms = statistics.median(times) * 1e3
         plan_card = slice_card(experts, vocab, base=base)
-        planned = planned_peak(plan_card, seq, recompute)
+        fused = bool(model.config.bias_activation_fusion)
+        planned = planned_peak(plan_card, seq, recompute, fused_swiglu=fused)
         layer_fwd_ms = [a.elapsed_time(b) for a, b in probe["ev"]]
         kept = [b - a for a, b in zip([probe["before"]] + probe["mem"][:-1], probe["mem"])]
         card_name = "H200" if "H200" in gpu else "H100" if "H100" in gpu else gpu
         flops = model_flops(plan_card, seq)
         rows.append(dict(card=f"{base} (4 layers: 3 dense + 1 MoE)", layers=4, experts=experts,
-                         vocab=vocab or card["vocab_size"], recompute=recompute, T=seq, steps=len(log), step_ms=round(step_ms, 1),
+                         vocab=vocab or card["vocab_size"], recompute=recompute, fused_swiglu=fused, T=seq, steps=len(log), step_ms=round(step_ms, 1),
                          tokens_per_s=round(seq / step_ms * 1e3, 1), peak_gib=round(peak / GIB, 2),
                          reserved_gib=round(reserved / GIB, 2),
                          planned_peak_gib=round(planned / GIB, 2),
@@ -222,8 +224,9 @@ def main() -> int:
         rows = json.load(open(path))
         for r in rows:
             vocab = r["vocab"] if r["vocab"] != 154880 else None
-            r["planned_peak_gib"] = round(planned_peak(slice_card(r["experts"], vocab), r["T"], r["recompute"]) / GIB,
-                                          2)
+            r.setdefault("fused_swiglu", False)  # rows measured before the launchers fused the SwiGLU
+            r["planned_peak_gib"] = round(planned_peak(slice_card(r["experts"], vocab), r["T"], r["recompute"],
+                                                       fused_swiglu=r["fused_swiglu"]) / GIB, 2)
             if r.get("peak_gib"):  # an out-of-memory row has no measured peak
                 r["planned_over_measured"] = round(r["planned_peak_gib"] / r["peak_gib"], 3)
         json.dump(rows, open(path, "w"), indent=1)

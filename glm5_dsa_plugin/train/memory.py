@@ -47,13 +47,16 @@ CUDA_ALLOC_CONF = "expandable_segments:True"
 
 @dataclass(frozen=True)
 class Training:
-    """What trains: LoRA adapters of rank ``lora_dim`` (``None``: every parameter) and how."""
+    """What trains: LoRA adapters of rank ``lora_dim`` (``None``: every parameter) and how.
+    ``fused_swiglu``: megatron-core's fused SwiGLU (``bias_activation_fusion``, what the launchers
+    run on a GPU), which keeps only its input; ``False``: the unfused activation's operands too."""
 
     lora_dim: int | None = 8
     lora_indexer: bool = False
     optimizer: str = "megatron"
     distributed_optimizer: bool = False
     recompute: str = "none"
+    fused_swiglu: bool = True
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -115,18 +118,21 @@ def layer_kept_parts(card: dict, tp: int, cp: int, seq: int, micro_batch: int, i
     * ``projections``: the layer input and the normalised input (``2 h``), the query latent before
       and after its norm (``2 q_lora``), the kv latent with its RoPE part (``kv_lora + dr``, one
       tensor: the kv norm keeps a view of it), the query heads before absorption
-      (``H / tp * (dn + dr)``, kept by the absorbing matmul), RoPE's cos / sin of q and k
-      (``4 dr``), three norms' fp32 rstd and, under LoRA, each called adapter's rank-wide
-      intermediate (q_down, q_up, kv_down, proj; kv_up is absorbed into the weights);
-    * ``mlp`` (dense): the pre-MLP norm's input (``h``) and rstd, the SwiGLU input (``2 ffn / tp``),
-      the activation's two operands (``silu(x)`` and ``x_linear + offset``, ``2 ffn / tp``); when the
-      MLP trains also fc1's input (``h``) and fc2's input (``ffn / tp``);
+      (``H / tp * (dn + dr)``, kept by the absorbing matmul), RoPE's cos / sin of k (``2 dr``; q's
+      rotation is recomputed in the absorbed query's backward), three norms' fp32 rstd and, under
+      LoRA, each called adapter's rank-wide intermediate (q_down, q_up, kv_down, proj; kv_up is
+      absorbed into the weights);
+    * ``mlp`` (dense): the pre-MLP norm's input (``h``) and rstd, the SwiGLU input (``2 ffn / tp``)
+      and, unfused (``training.fused_swiglu=False``), the activation's two operands (``silu(x)`` and
+      ``x_linear + offset``, ``2 ffn / tp``); when the MLP trains also fc1's input (``h``) and fc2's
+      input (``ffn / tp``);
     * ``moe``: the pre-MLP norm's input and rstd, the router's input (``h``), the router's and the
       dispatcher's fp32 scores, masks and int64 maps (``10 E + 32 k + 12`` bytes), per routed token
-      copy the expert's SwiGLU input, the activation's two operands and the activation scaled
-      by the routing probability (``5 moe_ffn``, every token copy once over the EP group: ``t * k``
-      copies per rank) and the shared expert's SwiGLU input and operands (``4 shared``); when the
-      experts train also their linears' inputs;
+      copy the expert's SwiGLU input (``2 moe_ffn``; unfused also the activation's two operands and
+      the activation scaled by the routing probability, ``5 moe_ffn`` in all; every token copy once
+      over the EP group: ``t * k`` copies per rank) and the shared expert's SwiGLU input (``2
+      shared``; unfused with its operands, ``4 shared``); when the experts train also their linears'
+      inputs;
     * ``recompute="full"`` keeps the layer input only; ``"selective"`` drops the DSA core's q, out
       and lse (recomputed from the kept latents).
 
@@ -147,16 +153,18 @@ def layer_kept_parts(card: dict, tp: int, cp: int, seq: int, micro_batch: int, i
     q_lat, kv_lat = card["q_lora_rank"], card["kv_lora_rank"] + dr
     adapters = 0 if full else (4 + 3 * training.lora_indexer) * training.lora_dim * 2
     parts = dict(attention=sum(attn.values()) * micro_batch,
-                 projections=(2 * t_sp * h + 2 * t * q_lat + t * kv_lat + t * H // tp * (dn + dr) + 4 * t * dr) * 2
+                 projections=(2 * t_sp * h + 2 * t * q_lat + t * kv_lat + t * H // tp * (dn + dr) + 2 * t * dr) * 2
                  + 3 * t * 4 + t * adapters)
+    glu = 2 if training.fused_swiglu else 4  # SwiGLU input (two halves), unfused with the two operands
+    expert_glu = 2 if training.fused_swiglu else 5  # unfused: also the probability-scaled activation
     if not is_moe:
         ffn = card["intermediate_size"] // tp
-        parts["mlp"] = (t_sp * h + 4 * t * ffn + (t_sp * h + t * ffn) * full) * 2 + t_sp * 4
+        parts["mlp"] = (t_sp * h + glu * t * ffn + (t_sp * h + t * ffn) * full) * 2 + t_sp * 4
     else:
         E, k, f = card["n_routed_experts"], card["num_experts_per_tok"], card["moe_intermediate_size"]
         shared = card.get("n_shared_experts", 0) * f // tp
-        parts["moe"] = (2 * t_sp * h * 2 + t_sp * 4 + t * (10 * E + 32 * k + 12) + t * k * 5 * f * 2
-                        + t * 4 * shared * 2 + (t * k * (f + h) + t * (shared + h)) * 2 * full)
+        parts["moe"] = (2 * t_sp * h * 2 + t_sp * 4 + t * (10 * E + 32 * k + 12) + t * k * expert_glu * f * 2
+                        + t * glu * shared * 2 + (t * k * (f + h) + t * (shared + h)) * 2 * full)
     return parts
 
 

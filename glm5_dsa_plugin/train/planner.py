@@ -10,7 +10,7 @@ whose every stage starts on a layer that computes its own indices.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -224,8 +224,8 @@ def stage_memory(card: dict, stages: list[Stage], tp: int, pp: int, ep: int, cp:
                                                       ep).values()) for moe, comp in layers)
         if training.recompute == "full":  # one layer's activations rebuilt at a time in backward
             transient += max(sum(memory.layer_kept_parts(card, tp, cp, seq, micro_batch, moe, comp,
-                                                      memory.Training(training.lora_dim, training.lora_indexer,
-                                                                   training.optimizer), ep, cp_layout).values())
+                                                      replace(training, recompute="none"), ep,
+                                                      cp_layout).values())
                              for moe, comp in layers)
         parts["transient"] = transient
         if st.index == pp - 1:
@@ -277,8 +277,7 @@ def layout_peak(card: dict, lay: Layout, seq: int, micro_batch: int, training: m
                 micro_batches: int | None = None, cp_layout: str = "zigzag", kinds: dict | None = None
                 ) -> tuple[int, list[memory.StageMemory]]:
     """(largest stage peak, every stage's terms) of one layout."""
-    tr = memory.Training(training.lora_dim, training.lora_indexer, training.optimizer, training.distributed_optimizer,
-                      lay.recompute)
+    tr = replace(training, recompute=lay.recompute)
     stages, _ = plan(card, lay.tp, lay.pp, lay.ep, lay.cp, seq, lay.first_stage_layers, lay.last_stage_layers,
                      cp_layout, kinds=kinds)
     mems = stage_memory(card, stages, lay.tp, lay.pp, lay.ep, lay.cp, seq, micro_batch, tr, dp, micro_batches,

@@ -35,16 +35,18 @@ def test_lora_and_optimizer_terms_match_hand_counts(tiny):
 
 def test_layer_kept_terms_match_hand_counts(tiny):
     # tiny: h 64, q_lora 32, kv_lora 32, rope 16, nope 16, v 16, 4 heads, ffn 128, 4 experts of 32, top-2, 1 shared
-    lora8 = mem.Training(lora_dim=8)
+    lora8 = mem.Training(lora_dim=8, fused_swiglu=False)
     t = 64
     dense = mem.layer_kept_parts(tiny, 1, 1, t, 1, False, True, lora8)
     # layer input + normed input, q latent before / after its norm, kv latent with RoPE part (once), q heads
-    # before absorption, 4 RoPE cos / sin, bf16; 3 fp32 rstd; 4 LoRA intermediates of rank 8
-    assert dense["projections"] == (2 * t * 64 + 2 * t * 32 + t * 48 + t * 4 * 32 + 4 * t * 16) * 2 + 3 * t * 4 \
+    # before absorption, k's RoPE cos / sin, bf16; 3 fp32 rstd; 4 LoRA intermediates of rank 8
+    assert dense["projections"] == (2 * t * 64 + 2 * t * 32 + t * 48 + t * 4 * 32 + 2 * t * 16) * 2 + 3 * t * 4 \
         + 4 * t * 8 * 2
     # pre-MLP norm input + rstd; SwiGLU input (2 ffn) and the activation's two operands (2 ffn); frozen linears
     assert dense["mlp"] == (t * 64 + 4 * t * 128) * 2 + t * 4
-    full = mem.layer_kept_parts(tiny, 1, 1, t, 1, False, True, mem.Training(lora_dim=None))
+    fused = mem.layer_kept_parts(tiny, 1, 1, t, 1, False, True, mem.Training(lora_dim=8))
+    assert fused["mlp"] == (t * 64 + 2 * t * 128) * 2 + t * 4  # the fused SwiGLU keeps its input only
+    full = mem.layer_kept_parts(tiny, 1, 1, t, 1, False, True, mem.Training(lora_dim=None, fused_swiglu=False))
     assert full["mlp"] == dense["mlp"] + (t * 64 + t * 128) * 2  # + fc1 and fc2 inputs
     # the frozen indexer keeps nothing (LoRA without --lora-indexer); trained, its q / k / w and loss gradient
     frozen = attention_memory.attention_activation_parts(tiny, 1, 1, t, True, indexer_trains=False)
@@ -56,6 +58,9 @@ def test_layer_kept_terms_match_hand_counts(tiny):
     # norm input + normed router input, rstd, router / dispatcher maps (10 E + 32 k + 12 B), per routed copy
     # 5 x 32 (SwiGLU input, two operands, the probability-scaled activation), shared 4 x 32
     assert moe["moe"] == 2 * t * 64 * 2 + t * 4 + t * (10 * 4 + 32 * 2 + 12) + t * 2 * 5 * 32 * 2 + t * 4 * 32 * 2
+    # fused: per routed copy and in the shared expert the SwiGLU input only
+    assert mem.layer_kept_parts(tiny, 1, 1, t, 1, True, True, mem.Training(lora_dim=8))["moe"] == \
+        2 * t * 64 * 2 + t * 4 + t * (10 * 4 + 32 * 2 + 12) + t * 2 * 2 * 32 * 2 + t * 2 * 32 * 2
     assert mem.layer_kept_parts(tiny, 1, 1, t, 1, True, True, mem.Training(recompute="full")) == dict(
         layer_input=t * 64 * 2)
     two = mem.layer_kept_parts(tiny, 1, 1, t, 2, False, True, lora8)  # micro batch of 2 sequences: twice
@@ -74,7 +79,7 @@ def test_stage_terms_shared_topk_and_final_norm(tiny):
     assert mem.stage_kept_parts(tiny, 1, 1, 64, 1, full, 1, True)["final_norm"] == 64 * 64 * 2 + 64 * 4
 
 
-def _saved_per_layer(T: int) -> tuple[list[int], dict]:
+def _saved_per_layer(T: int, fused_swiglu: bool = False) -> tuple[list[int], dict]:
     """(bytes each decoder layer keeps for backward outside the DSA core, with norms counted as
     torch's fused CUDA rms_norm keeps them; the index-sharing holder) of the tiny card cut to
     3 dense + 1 MoE layers with GLM-5.2's index sharing, LoRA rank 8, bf16, CPU, one sequence of T."""
@@ -90,7 +95,8 @@ def _saved_per_layer(T: int) -> tuple[list[int], dict]:
     for o in over:
         argv += ["--card-override", o]
     args = core.base_parser("count").parse_args(argv)
-    card, model = core.prepare(args, mtp_num_layers=None)
+    # bias_activation_fusion: the launchers' setting on a GPU (fused) or on the CPU (unfused)
+    card, model = core.prepare(args, mtp_num_layers=None, bias_activation_fusion=fused_swiglu)
     _, model = lora.apply_lora(model, 8, 16)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -130,12 +136,13 @@ def _saved_per_layer(T: int) -> tuple[list[int], dict]:
     return kept, card, {k: v.nbytes for k, v in holder.items()}
 
 
-def test_layer_kept_terms_match_counted_saved_tensors(megatron_single_process):
+@pytest.mark.parametrize("fused_swiglu", [False, True], ids=["unfused", "fused_swiglu"])
+def test_layer_kept_terms_match_counted_saved_tensors(megatron_single_process, fused_swiglu):
     """What the layers keep per token outside the DSA core (norms, MLA projections, LoRA, MLP, MoE,
     the value projection's output) against the count of autograd's saved tensors at two lengths (the
-    difference drops the constant, weight-sized tensors)."""
-    lora8 = mem.Training(lora_dim=8)
-    (a, card, _), (b, _, holder) = _saved_per_layer(128), _saved_per_layer(256)
+    difference drops the constant, weight-sized tensors), with megatron-core's unfused and fused SwiGLU."""
+    lora8 = mem.Training(lora_dim=8, fused_swiglu=fused_swiglu)
+    (a, card, _), (b, _, holder) = _saved_per_layer(128, fused_swiglu), _saved_per_layer(256, fused_swiglu)
 
     def planned(T, moe, comp):
         parts = mem.layer_kept_parts(card, 1, 1, T, 1, moe, comp, lora8)
@@ -210,7 +217,8 @@ def test_glm52_slice_plans_against_its_measured_rows(megatron_single_process):
                                        "lora_slice.json")))
     for r in rows:
         vocab = r["vocab"] if r["vocab"] != 154880 else None  # the card's own, or the row's cut
-        planned = bench.planned_peak(bench.slice_card(r["experts"], vocab), r["T"], r["recompute"])
+        planned = bench.planned_peak(bench.slice_card(r["experts"], vocab), r["T"], r["recompute"],
+                                     fused_swiglu=r["fused_swiglu"])  # the SwiGLU the row ran
         assert round(planned / GIB, 2) == r["planned_peak_gib"]
         if r.get("peak_gib"):
             assert abs(planned / GIB / r["peak_gib"] - 1) < 0.10
