@@ -95,7 +95,8 @@ class GLM5HybridDSAttention(GLM5DSAttention):
 
 
 class GLM5HybridDSALayer(TransformerLayer):
-    """Pattern symbol ``D``: input norm + our DSA self-attention (megatron-core's absorbed MLA), no MLP."""
+    """Pattern symbol ``D``: input norm + our DSA self-attention (``GLM5AbsorbedMLA``, megatron-core's absorbed
+    MLA with the query absorbed in place), no MLP."""
 
     def __init__(self, config, submodules=None, layer_number: int = 1, hidden_dropout=None, pg_collection=None,
                  vp_stage=None, is_mtp_layer: bool = False, add_layer_offset: bool = False, pp_layer_offset=None,
