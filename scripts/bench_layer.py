@@ -74,12 +74,13 @@ TINY = dict(hidden_size=128, num_attention_heads=4, q_lora_rank=64, kv_lora_rank
 
 def make_config(dims, layer: str, impl: str, device: str, reuse: bool = False):
     from glm5_dsa_plugin.checkpoints import cards
+    from glm5_dsa_plugin.train.core import device_config
 
     card = cards.with_overrides(cards.load_card("glm5"), **dims, num_hidden_layers=2 if reuse else 1,
                                 first_k_dense_replace=0 if layer == "moe" else 2,
                                 index_topk_freq=2 if reuse else 1, index_skip_topk_offset=1 if reuse else 0)
     over = dict(params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=device == "cpu",
-                bias_activation_fusion=device == "cuda",  # as the launchers (train.core.model_config)
+                **device_config(device),  # as the launchers set it
                 transformer_impl="transformer_engine" if impl.endswith("_te") else "local",
                 moe_token_dispatcher_type="allgather", mtp_num_layers=None, moe_router_enable_expert_bias=False,
                 dsa_indexer_use_sparse_loss=impl != "mcore_dense")

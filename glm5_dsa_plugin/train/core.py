@@ -28,7 +28,7 @@ from .cli import LauncherInputError, check_inputs
 from .memory import CUDA_ALLOC_CONF
 
 __all__ = ["SPEC_DEFAULT", "SPEC_HELP", "base_parser", "parse_overrides", "load_card_from_args", "resolve_spec",
-           "cuda_alloc_conf", "init_parallel", "model_config", "build_model", "prepare", "attention_classes",
+           "cuda_alloc_conf", "init_parallel", "device_config", "model_config", "build_model", "prepare", "attention_classes",
            "StepResult", "flops_shape", "synthetic_batch", "save_checkpoint", "load_checkpoint", "train", "lm_step",
            "apply_recipe", "run_dry"]
 
@@ -163,6 +163,13 @@ def init_parallel(args) -> None:
         model_parallel_cuda_manual_seed(args.seed)
 
 
+def device_config(device: str) -> dict:
+    """The config fields the launchers set by device: on a GPU megatron-core's fused SwiGLU
+    (Megatron-LM's ``--bias-swiglu-fusion`` default: one compiled kernel each way, its input alone
+    kept for the backward, docs/performance.md); on the CPU the unfused one (no torch.compile)."""
+    return dict(bias_activation_fusion=device == "cuda")
+
+
 def model_config(args, card: dict, **extra):
     """The job's megatron-core config from ``card``, ``extra`` overriding; with ``--model hybrid``
     the HybridModel fields and pattern too (:func:`glm5_dsa_plugin.train.hybrid_model.hybrid_config_fields`)."""
@@ -170,11 +177,9 @@ def model_config(args, card: dict, **extra):
     te = False
     if args.device == "cuda":
         te = importlib.util.find_spec("transformer_engine") is not None
-    # on a GPU the SwiGLU is megatron-core's fused one (Megatron-LM's --bias-swiglu-fusion default): one
-    # compiled kernel each way, its input alone kept for the backward (docs/performance.md)
     kw = dict(moe_token_dispatcher_type="allgather", params_dtype=dtype, bf16=dtype == torch.bfloat16,
               transformer_impl="transformer_engine" if te else "local", use_cpu_initialization=True,
-              bias_activation_fusion=args.device == "cuda")
+              **device_config(args.device))
     kw.update(extra)
     pattern = None
     if getattr(args, "model", "gpt") == "hybrid":

@@ -197,6 +197,6 @@ def test_cuda_alloc_conf_defaults_to_expandable_segments_and_keeps_the_users(mon
 def test_launchers_fuse_the_swiglu_on_a_gpu(device, megatron_single_process):
     """On a GPU the launchers' config takes megatron-core's fused SwiGLU (Megatron-LM's default); on
     the CPU the unfused one (no torch.compile of the activation)."""
-    args = core.base_parser("t").parse_args([*COMMON[:4], "--device", device, *COMMON[6:]])
+    args = core.base_parser("t").parse_args([device if a == "cpu" else a for a in COMMON])
     card = core.load_card_from_args(args)
     assert core.model_config(args, card, mtp_num_layers=None).bias_activation_fusion is (device == "cuda")
